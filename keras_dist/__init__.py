@@ -1,0 +1,31 @@
+"""keras-dist: distributed training for Keras 3 without rewriting it.
+
+Swap `keras.Model` for `keras_dist.DistributedModel`, keep `compile` and `fit`.
+Importing keras_dist applies `KERAS_DIST_CPU_REPLICAS` (simulated CPU replicas)
+if it is set; it changes nothing else.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from keras_dist._runtime.devices import apply_requested_cpu_replicas as _apply_requested_cpu_replicas  # noqa: E402
+
+_apply_requested_cpu_replicas()
+
+from keras_dist._model import DistributedModel  # noqa: E402
+from keras_dist._wrap import distribute  # noqa: E402
+from keras_dist._runtime.devices import simulate_cpu_replicas  # noqa: E402
+from keras_dist.strategy import Plan, describe, is_chief, resolve_strategy  # noqa: E402
+from keras_dist.version import __version__  # noqa: E402
+
+__all__ = [
+    "DistributedModel",
+    "Plan",
+    "__version__",
+    "describe",
+    "distribute",
+    "is_chief",
+    "resolve_strategy",
+    "simulate_cpu_replicas",
+]

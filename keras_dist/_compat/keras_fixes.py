@@ -1,0 +1,166 @@
+"""The registry of Keras 3 (TensorFlow backend) bugs that keras-dist works around.
+
+Each `Fix` names the versions it applies to. A fix is active when the installed
+version is inside `affected` and the fix is not disabled (the tests disable
+fixes to show the bug each one prevents). The remedies themselves are small
+overrides in `keras_dist.DistributedModel` and `keras_dist._runtime`, taken only
+when `is_active(name)` is true.
+"""
+
+import contextlib
+import dataclasses
+import os
+
+from packaging.specifiers import SpecifierSet
+
+from keras_dist._compat.versions import INSTALLED
+
+DISABLE_ENV = "KERAS_DIST_DISABLE_FIXES"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """One workaround for an upstream bug.
+
+    Args:
+        name: String, the fix's identifier (also `tests/compat/test_<name>.py`).
+        package: String, `"keras"` or `"tensorflow"`: whose version gates it.
+        affected: String `SpecifierSet`, the versions that have the bug.
+        upstream: String, the upstream issue or pull request.
+        symptom: One sentence on what breaks for users without the fix.
+        remedy: One sentence on what keras-dist does instead.
+        remove_when: When to delete the fix.
+    """
+
+    name: str
+    package: str
+    affected: str
+    upstream: str
+    symptom: str
+    remedy: str
+    remove_when: str
+
+    def applies_to_installed(self):
+        """Returns whether the installed `package` version is in `affected`."""
+        return INSTALLED[self.package] in SpecifierSet(self.affected)
+
+
+_OPEN = "no upstream fix as of Keras 3.15.1; remove when a fixed release is the minimum supported"
+
+FIXES = {
+    fix.name: fix
+    for fix in [
+        Fix(
+            name="example_weighted_loss",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/issues/15509 (also tensorflow/tensorflow#45594)",
+            symptom="A global batch split unevenly across replicas (e.g. the last batch) weights each "
+            "replica's mean loss by 1/num_replicas_in_sync, so the gradient is not the global mean's.",
+            remedy="Each replica's loss is scaled by its share of the global batch "
+            "(local examples / global examples) instead of 1/num_replicas_in_sync.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="symbolic_build_from_spec",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/issues/20585 (also tensorflow/tensorflow#58809)",
+            symptom="fit/evaluate build the model by taking a batch from the user's distributed "
+            "iterator and reducing it across replicas, which fails when the first batch is smaller "
+            "than the number of replicas or is split unevenly.",
+            remedy="The model is built from the dataset's element spec; no batch is taken.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="cross_replica_metrics",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/issues/18667",
+            symptom="Metric results are computed per replica from local state and then averaged, "
+            "so uneven batches give logged metrics that differ from single-device values.",
+            remedy="Metric results are computed in cross-replica context from the summed "
+            "on-read state (as tf.keras did), identical on every replica.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="mirrored_layer_state",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/issues/18667 (also keras-team/keras#14372)",
+            symptom="Non-trainable layer state (BatchNormalization moving mean/variance) is mirrored "
+            "with aggregation NONE, so every replica keeps its own diverging copy.",
+            remedy="Floating-point non-trainable layer weights with aggregation 'none' are "
+            "re-created with aggregation 'mean', so all copies stay identical.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="distribute_reduction_method",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/pull/16664 (tf.keras); keras-team/keras#15509",
+            symptom="Reading `model.distribute_reduction_method` raises AttributeError, and setting "
+            "it has no effect: step outputs are always averaged over replicas.",
+            remedy="The attribute defaults to 'auto' and 'sum', 'mean', 'first' are applied to "
+            "what train_step/test_step return.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="optimizer_strategy",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/issues/17187 (also keras-team/keras#20045)",
+            symptom="An optimizer constructed outside strategy.scope() keeps the default strategy "
+            "and fails with 'Mixing different tf.distribute.Strategy objects'.",
+            remedy="compile() moves the optimizer and its variables onto the model's strategy.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="jit_compile_mirrored",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/issues/19005 (also keras-team/keras#18145)",
+            symptom="compile(jit_compile=True) (and 'auto' on GPUs) under a multi-replica strategy "
+            "crashes in the first step: XLA compiles for one device and reaches a variable on another.",
+            remedy="Under a multi-replica strategy 'auto' resolves to False and True is refused at "
+            "compile() with a message saying what to do.",
+            remove_when=_OPEN,
+        ),
+    ]
+}
+
+_disabled = set()
+
+
+def is_active(name):
+    """Returns whether fix `name` applies to the installed versions and is enabled.
+
+    Raises:
+        KeyError: `name` is not a registered fix.
+    """
+    fix = FIXES[name]
+    env_disabled = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+    return fix.applies_to_installed() and name not in _disabled and name not in env_disabled
+
+
+def active_fixes():
+    """Returns the list of `Fix` entries active for the installed versions."""
+    return [fix for name, fix in FIXES.items() if is_active(name)]
+
+
+@contextlib.contextmanager
+def disabled(*names):
+    """Context manager that turns fixes off, to reproduce the bugs they prevent.
+
+    Functions already traced keep the behaviour they were traced with: build
+    and compile models inside the block.
+    """
+    unknown = [n for n in names if n not in FIXES]
+    if unknown:
+        raise KeyError(f"Unknown fix name(s) {unknown}. Known: {sorted(FIXES)}.")
+    added = set(names) - _disabled
+    _disabled.update(added)
+    try:
+        yield
+    finally:
+        _disabled.difference_update(added)

@@ -1,0 +1,252 @@
+"""Layer 1: `DistributedModel`, a `keras.Model` that trains under a `tf.distribute.Strategy`.
+
+What happens on each worker: every worker builds the same model, resolves the
+same kind of strategy, and runs Keras' own `fit`/`evaluate`/`predict`. keras-dist
+only (1) creates or re-creates every variable under the strategy's scope and
+(2) replaces the few hooks where Keras 3 computes the wrong numbers under a
+strategy (see `keras_dist._compat.keras_fixes`).
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_dist import _compat
+from keras_dist._runtime import keras_internals as ki
+from keras_dist._runtime import steps, variables
+from keras_dist.strategy import _plan, _resolve
+
+_REDUCTION_METHODS = ("auto", "mean", "sum", "first")
+_FUNCTIONAL_CLASSES = {}
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class DistributedModel(keras.Model):
+    """A `keras.Model` whose `compile`/`fit`/`evaluate`/`predict` run under a strategy.
+
+    Use it wherever you would use `keras.Model`: functionally
+    (`DistributedModel(inputs, outputs)`), by subclassing
+    (`class MyModel(keras_dist.DistributedModel)`), or wrap a model that
+    exists with `keras_dist.distribute(model)`.
+
+    Every variable the model owns lives under the strategy's scope: layer
+    weights (also of layers built before the model existed), optimizer
+    variables (also of an optimizer constructed outside any scope), metric and
+    loss-scale variables.
+
+    Args:
+        *args: Keras `Model` arguments (`inputs, outputs` for the functional style).
+        strategy: A `tf.distribute.Strategy`, or one of `"auto"`, `"mirrored"`,
+            `"multi_worker"`, `"tpu"`, `"one_device"`. Defaults to `"auto"`:
+            a TPU when one is reachable; `MultiWorkerMirroredStrategy` when
+            `TF_CONFIG` lists more than one task; `MirroredStrategy` over 2+
+            GPUs (NCCL) or over simulated CPU replicas
+            (`keras_dist.simulate_cpu_replicas`); otherwise one device.
+        **kwargs: Keras `Model` keyword arguments (`name`, `trainable`, ...).
+
+    Raises:
+        ValueError: `strategy` is an unknown name or an unsupported strategy
+            (e.g. `ParameterServerStrategy`).
+        TypeError: `strategy` is neither a name nor a `tf.distribute.Strategy`.
+
+    Distributed behavior:
+        Numerics: for any dataset and batch size, N replicas give the same
+        weights as one device on the same global batches (float32, about
+        1e-6): each replica's loss is weighted by its share of the global
+        batch, and metrics are computed from state summed over replicas.
+        `evaluate` counts every example once; `predict` returns rows in input
+        order. Non-trainable float layer state (BatchNormalization moving
+        statistics) is mean-aggregated, so every replica holds the same copy.
+        `distribute_reduction_method` ("auto", "mean", "sum", "first") says how
+        the values a custom `train_step`/`test_step` returns are combined.
+
+    Example:
+    >>> import keras, keras_dist
+    >>> inputs = keras.Input((4,))
+    >>> model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> model.distribute_strategy.num_replicas_in_sync >= 1
+    True
+    """
+
+    def __new__(cls, *args, **kwargs):
+        kwargs.pop("strategy", None)
+        if ki.functional_init_arguments(args, kwargs) and not issubclass(cls, ki.Functional):
+            return super().__new__(_functional_class(cls), *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, strategy="auto", **kwargs):
+        resolved = _resolve.resolve_strategy(strategy)
+        with resolved.scope():
+            if ki.functional_init_arguments(args, kwargs):
+                # keras.Model.__init__ would rewire this class's bases for good.
+                ki.Functional.__init__(self, *args, **kwargs)
+            else:
+                keras.Model.__init__(self, *args, **kwargs)
+        self._distribute_strategy = resolved
+        self._distribute_reduction_method = None
+        _plan.announce(resolved)
+        self._distribute_state()
+
+    # ----------------------------------------------------------------- state
+    @property
+    def distribute_reduction_method(self):
+        """String: how step outputs are combined across replicas (`"auto"` by default)."""
+        return getattr(self, "_distribute_reduction_method", None) or "auto"
+
+    @distribute_reduction_method.setter
+    def distribute_reduction_method(self, value):
+        if value is not None and value not in _REDUCTION_METHODS:
+            raise ValueError(
+                f"`distribute_reduction_method` must be one of {_REDUCTION_METHODS}. "
+                f"Received: distribute_reduction_method={value!r}."
+            )
+        self._distribute_reduction_method = value
+        self.train_function = self.test_function = None
+
+    def _distribute_state(self):
+        """Re-homes every variable this model owns onto its strategy (cheap when nothing moved)."""
+        strategy = self._distribute_strategy
+        if _compat.is_active("mirrored_layer_state") and variables.is_multi_replica(strategy):
+            for v in self.non_trainable_weights:
+                if v.aggregation == "none" and "float" in v.dtype:
+                    variables.set_aggregation(v, "mean")
+        owned = {id(v): v for v in [*self.variables, *self.weights, *self.metrics_variables]}
+        moved = sum(variables.rehome(v, strategy) for v in owned.values())
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and _compat.is_active("optimizer_strategy"):
+            moved += variables.rehome_optimizer(optimizer, strategy)
+        if moved:
+            if optimizer is not None:
+                variables.reindex_optimizer(optimizer)
+            self.train_function = self.test_function = self.predict_function = None
+
+    # --------------------------------------------------------------- compile
+    def compile(self, *args, **kwargs):
+        """Configures the model for training, exactly as `keras.Model.compile`.
+
+        Everything `compile` creates (optimizer, loss and metric state) is
+        created under the strategy's scope; an optimizer constructed elsewhere
+        is moved onto it.
+
+        Raises:
+            ValueError: `jit_compile=True` under a multi-replica strategy
+                (Keras 3 cannot compile one step across replicas yet).
+        """
+        strategy = self._distribute_strategy
+        jit_compile = kwargs.get("jit_compile", "auto")
+        if _compat.is_active("jit_compile_mirrored") and variables.is_multi_replica(strategy):
+            if jit_compile is True:
+                raise ValueError(
+                    "`jit_compile=True` is not supported under a multi-replica strategy: "
+                    "Keras 3 compiles the step for one device and fails on the others "
+                    "(keras-team/keras#19005). Received: jit_compile=True, "
+                    f"num_replicas_in_sync={strategy.num_replicas_in_sync}. Fix: pass "
+                    "`jit_compile=False` (or leave the default, 'auto')."
+                )
+            kwargs["jit_compile"] = False
+        with strategy.scope():
+            super().compile(*args, **kwargs)
+        self._distribute_state()
+
+    # ------------------------------------------------------------ the steps
+    def train_step(self, data):
+        """Keras' `train_step`, with each replica's loss weighted by its share of the global batch."""
+        return steps.train_step(self, data, replica_loss_weight=self._replica_loss_weight)
+
+    def _replica_loss_weight(self, num_examples):
+        """Returns `num_replicas_in_sync * local_examples / global_examples` (collective).
+
+        Keras scales every replica's mean loss by `1 / num_replicas_in_sync`
+        before gradients are summed; multiplying by this weight turns that into
+        `local_examples / global_examples`, the weight of the global mean.
+        Regularization losses (same on every replica) still count exactly once,
+        since the weights sum to `num_replicas_in_sync`.
+        """
+        num_replicas = self._distribute_strategy.num_replicas_in_sync
+        if num_replicas == 1 or not _compat.is_active("example_weighted_loss"):
+            return tf.constant(1.0)
+        local = tf.cast(num_examples, tf.float32)
+        total = tf.distribute.get_replica_context().all_reduce("SUM", local)
+        return tf.math.divide_no_nan(num_replicas * local, total)
+
+    def get_metrics_result(self):
+        """Returns the metric results, computed from state summed over all replicas."""
+        context = tf.distribute.get_replica_context()
+        if (
+            context is None
+            or self._distribute_strategy.num_replicas_in_sync == 1
+            or not _compat.is_active("cross_replica_metrics")
+        ):
+            return super().get_metrics_result()
+        return context.merge_call(lambda _: super(DistributedModel, self).get_metrics_result())
+
+    def _reduce_in_replica_context(self, outputs):
+        """Applies `distribute_reduction_method` so every replica returns the reduced value."""
+        method = self.distribute_reduction_method
+        num_replicas = self._distribute_strategy.num_replicas_in_sync
+        if method == "auto" or num_replicas == 1 or not _compat.is_active("distribute_reduction_method"):
+            return outputs
+        context = tf.distribute.get_replica_context()
+
+        def reduce(value):
+            if not isinstance(value, (tf.Tensor, tf.Variable)):
+                return value
+            if method == "first":
+                is_first = tf.equal(context.replica_id_in_sync_group, 0)
+                value = tf.where(is_first, value, tf.zeros_like(value))
+            return context.all_reduce("MEAN" if method == "mean" else "SUM", value)
+
+        return tf.nest.map_structure(reduce, outputs)
+
+    def make_train_function(self, force=False):
+        self._distribute_state()
+        if self.train_function is None or force:
+            self.train_function = steps.make_step_function(
+                self, lambda data: self._reduce_in_replica_context(self.train_step(data))
+            )
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        self._distribute_state()
+        if self.test_function is None or force:
+            self.test_function = steps.make_step_function(
+                self, lambda data: self._reduce_in_replica_context(self.test_step(data))
+            )
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        self._distribute_state()
+        return super().make_predict_function(force=force)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if not _compat.is_active("symbolic_build_from_spec"):
+            steps.maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+        else:
+            if iterator is not None:
+                data_batch = ki.dataset_element_spec(iterator)
+            with self._distribute_strategy.scope():
+                steps.symbolic_build_from_spec(self, data_batch)
+        self._distribute_state()
+
+
+def _functional_class(cls):
+    """Returns `cls` with `Functional` mixed in, made once per class.
+
+    Keras turns a `Model` subclass into a functional one by rewriting the
+    class's `__bases__` in place, for every later use too; a separate class per
+    style keeps `DistributedModel` usable for subclassing after it was used
+    functionally. Saved files name the original class.
+    """
+    if cls not in _FUNCTIONAL_CLASSES:
+        functional_cls = type(
+            cls.__name__,
+            (cls, ki.Functional),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
+        )
+        registered = keras.saving.get_registered_name(cls)
+        if registered != cls.__name__:
+            package, name = registered.split(">", 1)
+            keras.saving.register_keras_serializable(package, name)(functional_cls)
+            keras.saving.register_keras_serializable(package, name)(cls)
+        _FUNCTIONAL_CLASSES[cls] = functional_cls
+    return _FUNCTIONAL_CLASSES[cls]

@@ -1,0 +1,49 @@
+"""The private Keras 3 internals keras-dist relies on, imported in one place.
+
+Each name here is used by layer 1 through this module only, so a Keras release
+that moves one breaks exactly one import, found by `tests/unit/test_runtime.py`.
+"""
+
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
+
+__all__ = [
+    "Functional",
+    "TensorFlowTrainer",
+    "compile_arguments",
+    "functional_init_arguments",
+    "unpack_x_y_sample_weight",
+    "unscale_loss_for_distribution",
+    "dataset_element_spec",
+]
+
+
+def compile_arguments(model):
+    """Returns the arguments `model.compile(...)` was last called with, as live objects.
+
+    Args:
+        model: A compiled `keras.Model`.
+
+    Returns:
+        Dict of `compile` keyword arguments (the optimizer is the same object, so
+        its state is kept), or `None` when the model was never compiled.
+    """
+    config = getattr(model, "_compile_config", None)
+    if not getattr(model, "compiled", False) or config is None:
+        return None
+    return dict(config.config)
+
+
+def dataset_element_spec(epoch_iterator):
+    """Returns the element spec of the global batches a Keras epoch iterator yields.
+
+    Args:
+        epoch_iterator: `keras.src.trainers.epoch_iterator.EpochIterator` (TF backend).
+
+    Returns:
+        Nested structure of `tf.TensorSpec` (batch dimension first, usually `None`).
+    """
+    return epoch_iterator.data_adapter.get_tf_dataset().element_spec

@@ -1,0 +1,86 @@
+"""What a strategy will do, in one short block printed once on the chief."""
+
+import dataclasses
+import functools
+import os
+
+from keras_dist._runtime import strategy_info
+
+_ANNOUNCED = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The distribution plan of one process.
+
+    Attributes:
+        strategy: String, the `tf.distribute.Strategy` class name.
+        num_workers: Integer, worker processes in the cluster.
+        task_type: String, this worker's `TF_CONFIG` task type (`"worker"` alone).
+        task_id: Integer, this worker's index among tasks of its type.
+        num_replicas_in_sync: Integer, replicas in one synchronous step.
+        devices: Tuple of strings, the devices of this worker's replicas.
+        all_reduce: String, the gradient all-reduce implementation.
+    """
+
+    strategy: str
+    num_workers: int
+    task_type: str
+    task_id: int
+    num_replicas_in_sync: int
+    devices: tuple
+    all_reduce: str
+
+    def __str__(self):
+        return "\n".join(
+            [
+                "keras-dist plan",
+                f"  strategy:             {self.strategy}",
+                f"  workers:              {self.num_workers} (this is {self.task_type}:{self.task_id})",
+                f"  replicas in sync:     {self.num_replicas_in_sync}",
+                f"  devices (this worker): {', '.join(self.devices)}",
+                f"  all-reduce:           {self.all_reduce}",
+            ]
+        )
+
+
+def _task(strategy):
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.task_type:
+        return "worker", 0, 1
+    cluster = resolver.cluster_spec().as_dict()
+    num_workers = sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")) or 1
+    return resolver.task_type, int(resolver.task_id or 0), num_workers
+
+
+def is_chief(strategy):
+    """Returns whether this process writes files and logs: task `chief`, or worker 0 without one."""
+    task_type, task_id, _ = _task(strategy)
+    resolver = getattr(strategy, "cluster_resolver", None)
+    has_chief = bool(resolver and resolver.task_type and "chief" in resolver.cluster_spec().as_dict())
+    return task_type == "chief" or (task_type == "worker" and task_id == 0 and not has_chief)
+
+
+def describe(strategy):
+    """Returns the `Plan` of `strategy` for this process."""
+    task_type, task_id, num_workers = _task(strategy)
+    return Plan(
+        strategy=type(strategy).__name__.lstrip("_"),
+        num_workers=num_workers,
+        task_type=task_type,
+        task_id=task_id,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+        devices=tuple(strategy_info.worker_devices(strategy)),
+        all_reduce=strategy_info.all_reduce_implementation(strategy),
+    )
+
+
+def announce(strategy, *, print_fn=None):
+    """Prints the plan of `strategy` once per process, on the chief only.
+
+    Set `KERAS_DIST_QUIET=1` to silence it.
+    """
+    if id(strategy) in _ANNOUNCED or not is_chief(strategy) or os.environ.get("KERAS_DIST_QUIET"):
+        return
+    _ANNOUNCED.add(id(strategy))
+    (print_fn or functools.partial(print, flush=True))(str(describe(strategy)))
