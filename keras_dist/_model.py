@@ -76,6 +76,14 @@ class DistributedModel(keras.Model):
 
     def __init__(self, *args, strategy="auto", **kwargs):
         resolved = _resolve.resolve_strategy(strategy)
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not resolved:
+            raise ValueError(
+                "A DistributedModel must be created under its own strategy's scope or under "
+                f"none. Received: strategy={type(resolved).__name__} inside the scope of "
+                f"another {type(tf.distribute.get_strategy()).__name__}. Fix: leave "
+                "`strategy=\"auto\"` to use the enclosing scope's strategy, or create the "
+                "model outside `with strategy.scope():`."
+            )
         with resolved.scope():
             if ki.functional_init_arguments(args, kwargs):
                 # keras.Model.__init__ would rewire this class's bases for good.
@@ -147,6 +155,13 @@ class DistributedModel(keras.Model):
         with strategy.scope():
             super().compile(*args, **kwargs)
         self._distribute_state()
+
+    def compile_from_config(self, config):
+        """Compiles from a saved compile config (what `keras.models.load_model` calls)."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            with self._distribute_strategy.scope():
+                self.optimizer.build(self.trainable_variables)
 
     # ------------------------------------------------------------ the steps
     def train_step(self, data):

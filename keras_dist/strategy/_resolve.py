@@ -57,7 +57,8 @@ def resolve_strategy(strategy="auto"):
 
     Returns:
         `tf.distribute.Strategy`. Names resolve to the same object every time
-        in one process.
+        in one process; `"auto"` inside `with some_strategy.scope():` is
+        `some_strategy`.
 
     Raises:
         ValueError: An unknown name, or a strategy keras-dist cannot train with
@@ -78,6 +79,10 @@ def resolve_strategy(strategy="auto"):
             f"strategy={strategy!r}. Fix: pass one of these names or a "
             "`tf.distribute.Strategy` instance."
         )
+    if strategy == "auto" and tf.distribute.has_strategy():
+        current = tf.distribute.get_strategy()
+        check_supported(current)
+        return current
     name = _auto_name() if strategy == "auto" else strategy
     if name not in _RESOLVED:
         _RESOLVED[name] = _create(name)

@@ -1,0 +1,50 @@
+"""Session set-up: 4 simulated CPU devices, before TensorFlow runs its first op.
+
+Topology fixtures follow `<workers>x<replicas per worker>_<device>`; a test that
+needs another device count runs in a subprocess.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_DIST_QUIET", "1")
+os.environ.pop("TF_CONFIG", None)
+os.environ.pop(  # The session's own split below is the only one.
+    "KERAS_DIST_CPU_REPLICAS", None
+)
+
+import keras_dist.testing  # noqa: E402
+
+NUM_CPU_DEVICES = 4
+keras_dist.testing.simulate_cpu_devices(NUM_CPU_DEVICES)
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+def mirrored(num_replicas):
+    return tf.distribute.MirroredStrategy(
+        [f"/cpu:{i}" for i in range(num_replicas)],
+        cross_device_ops=tf.distribute.ReductionToOneDevice(),
+    )
+
+
+@pytest.fixture(scope="session")
+def mirrored_1x2_cpu():
+    return mirrored(2)
+
+
+@pytest.fixture(scope="session")
+def mirrored_1x3_cpu():
+    return mirrored(3)
+
+
+@pytest.fixture(params=[2, 3], ids=["mirrored_1x2_cpu", "mirrored_1x3_cpu"], scope="session")
+def multi_replica_strategy(request):
+    return mirrored(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    keras.utils.set_random_seed(1234)

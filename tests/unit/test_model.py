@@ -1,0 +1,236 @@
+"""DistributedModel's three styles, variable placement, BatchNorm state and custom steps."""
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import keras_dist
+from keras_dist.testing import max_weight_difference
+
+DISTRIBUTED_KINDS = {"MirroredVariable", "SyncOnReadVariable"}
+
+
+def _xy(n=32, seed=0):
+    rs = np.random.RandomState(seed)
+    x = rs.rand(n, 4).astype("float32")
+    return x, x.sum(1, keepdims=True)
+
+
+def _kinds(model):
+    owned = [*model.weights, *model.metrics_variables, *model.optimizer.variables]
+    return {type(v.value).__name__ for v in owned}
+
+
+def test_functional_use_does_not_rewire_subclassing(mirrored_1x2_cpu):
+    inputs = keras.Input((4,))
+    functional = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+
+    class Sub(keras_dist.DistributedModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    sub = Sub(strategy=mirrored_1x2_cpu)
+    functional_again = keras_dist.DistributedModel(inputs, keras.layers.Dense(2)(inputs), strategy=mirrored_1x2_cpu)
+    assert keras_dist.DistributedModel.__bases__ == (keras.Model,)
+    assert isinstance(functional, keras_dist.DistributedModel)
+    assert type(functional) is type(functional_again)
+    assert not isinstance(sub, keras.src.models.functional.Functional)
+    sub.compile(optimizer="sgd", loss="mse")
+    sub.fit(*_xy(), batch_size=8, verbose=0)
+    assert _kinds(sub) <= DISTRIBUTED_KINDS
+
+
+@pytest.mark.parametrize("variant", ["lazy_fit_outside", "opt_outside", "compile_outside", "model_outside"])
+def test_variables_distributed_wherever_created(variant, mirrored_1x2_cpu):
+    """shared/cases/12: optimizer, compile or model outside the scope all end up mirrored."""
+    x, y = _xy()
+    strategy = mirrored_1x2_cpu
+    if variant == "lazy_fit_outside":
+        with strategy.scope():
+            model = keras_dist.distribute(keras.Sequential([keras.layers.Dense(8), keras.layers.Dense(1)]))
+            model.compile(optimizer="adam", loss="mse")
+    elif variant == "opt_outside":
+        optimizer = keras.optimizers.Adam()
+        inputs = keras.Input((4,))
+        model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=strategy)
+        model.compile(optimizer=optimizer, loss="mse")
+    elif variant == "compile_outside":
+        inputs = keras.Input((4,))
+        model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=strategy)
+        model.compile(optimizer="adam", loss="mse")
+    else:
+        plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        plain.compile(optimizer="adam", loss="mse")
+        plain.fit(x, y, batch_size=8, verbose=0)  # trained, optimizer built
+        before = plain.get_weights()
+        model = keras_dist.distribute(plain, strategy=strategy)
+        assert max(np.abs(a - b).max() for a, b in zip(before, model.get_weights())) == 0
+        assert model.optimizer is plain.optimizer
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.distribute_strategy is strategy
+    assert _kinds(model) <= DISTRIBUTED_KINDS
+
+
+def test_layers_built_before_wrapping_keep_their_objects(mirrored_1x2_cpu):
+    dense = keras.layers.Dense(3)
+    inputs = keras.Input((4,))
+    outputs = dense(inputs)
+    kernel = dense.kernel
+    model = keras_dist.DistributedModel(inputs, outputs, strategy=mirrored_1x2_cpu)
+    assert model.layers[-1] is dense and dense.kernel is kernel
+    assert type(kernel.value).__name__ == "MirroredVariable"
+
+
+def test_batchnorm_moving_statistics_identical_on_every_replica(mirrored_1x2_cpu, tmp_path):
+    """shared/cases/14: per-replica copies of moving mean/variance must not diverge."""
+    rs = np.random.RandomState(0)
+    x = np.concatenate([rs.randn(4, 3), rs.randn(4, 3) + 10]).astype("float32")
+    y = rs.randn(8, 1).astype("float32")
+    inputs = keras.Input((3,))
+    bn = keras.layers.BatchNormalization(momentum=0.0)
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(bn(inputs)), strategy=mirrored_1x2_cpu)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+
+    for variable in (bn.moving_mean, bn.moving_variance):
+        copies = [v.numpy() for v in mirrored_1x2_cpu.experimental_local_results(variable.value)]
+        np.testing.assert_array_equal(copies[0], copies[1])
+    # momentum=0: the moving mean is the mean of the two replicas' batch means = global mean.
+    np.testing.assert_allclose(bn.moving_mean.numpy(), x.mean(0), rtol=1e-5)
+    probe = np.repeat(x[:1], 8, axis=0)  # 4 identical rows per replica
+    predictions = model.predict(probe, batch_size=8, verbose=0)
+    assert np.ptp(predictions) < 1e-6
+    path = str(tmp_path / "bn.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.evaluate(x, y, batch_size=8, verbose=0), model.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5)
+
+
+class ReplicaIdModel(keras_dist.DistributedModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return {"replica_id": tf.cast(replica_id, "float32")}
+
+
+@pytest.mark.parametrize("method,expected", [("auto", 0.5), ("mean", 0.5), ("sum", 1.0), ("first", 0.0)])
+def test_distribute_reduction_method_is_honoured(method, expected, mirrored_1x2_cpu):
+    """shared/cases/28: the attribute reads as "auto" and setting it changes the reduction."""
+    model = ReplicaIdModel(strategy=mirrored_1x2_cpu)
+    assert model.distribute_reduction_method == "auto"
+    model.compile(optimizer="sgd", loss="mse")
+    model.distribute_reduction_method = method
+    history = model.fit(*_xy(), batch_size=8, epochs=1, verbose=0)
+    assert history.history["replica_id"][-1] == pytest.approx(expected)
+
+
+def test_distribute_reduction_method_rejects_unknown_value(mirrored_1x2_cpu):
+    model = ReplicaIdModel(strategy=mirrored_1x2_cpu)
+    with pytest.raises(ValueError, match="must be one of .*Received: distribute_reduction_method='max'"):
+        model.distribute_reduction_method = "max"
+
+
+class GuideStepModel(keras_dist.DistributedModel):
+    """The TF custom-training guide's train_step: loss / global batch size, summed."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1, kernel_initializer="zeros")
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_mean(tf.square(self(x, training=True) - y), axis=-1)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=8)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"guide_loss": loss}
+
+
+def test_custom_train_step_with_sum_reduction_matches_single_device(mirrored_1x2_cpu):
+    x, y = _xy()
+    reference = GuideStepModel(strategy="one_device")
+    model = GuideStepModel(strategy=mirrored_1x2_cpu)
+    for m in (reference, model):
+        m.compile(optimizer="sgd")
+    model.distribute_reduction_method = "sum"
+    history_ref = reference.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False).history
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False).history
+    assert max_weight_difference(reference, model) < 1e-6
+    np.testing.assert_allclose(history["guide_loss"], history_ref["guide_loss"], rtol=1e-5)
+
+
+def test_super_train_step_in_subclass_keeps_fixes(mirrored_1x2_cpu):
+    class Counting(keras_dist.DistributedModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1, kernel_initializer="zeros")
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            return super().train_step(data)
+
+    x, y = _xy(7)
+    reference = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+    model = Counting(strategy=mirrored_1x2_cpu)
+    for m in (reference, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    assert max_weight_difference(reference, model) < 1e-5
+
+
+def test_jit_compile_true_refused_under_multi_replica(mirrored_1x2_cpu):
+    inputs = keras.Input((4,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    with pytest.raises(ValueError, match="jit_compile=True` is not supported under a multi-replica strategy"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    model.compile(optimizer="sgd", loss="mse", jit_compile="auto")
+    assert model.jit_compile is False
+
+
+def test_distribute_rejects_non_models_and_custom_steps():
+    with pytest.raises(TypeError, match="expects a `keras.Model`. Received: model of type Dense"):
+        keras_dist.distribute(keras.layers.Dense(1))
+
+    class CustomStep(keras.Model):
+        def train_step(self, data):
+            return {}
+
+    with pytest.raises(ValueError, match=r"cannot carry over overridden \['train_step'\] of CustomStep"):
+        keras_dist.distribute(CustomStep())
+
+
+def test_distribute_moves_a_distributed_model_to_another_strategy(mirrored_1x2_cpu, mirrored_1x3_cpu):
+    inputs = keras.Input((4,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    weights = model.get_weights()
+    same = keras_dist.distribute(model, strategy=mirrored_1x3_cpu)
+    assert same is model and model.distribute_strategy is mirrored_1x3_cpu
+    assert len(mirrored_1x3_cpu.experimental_local_results(model.weights[0].value)) == 3
+    assert max(np.abs(a - b).max() for a, b in zip(weights, model.get_weights())) == 0
+
+
+def test_model_inside_another_strategys_scope_is_refused(mirrored_1x2_cpu, mirrored_1x3_cpu):
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1)(inputs)
+    with mirrored_1x2_cpu.scope():
+        assert keras_dist.DistributedModel(inputs, outputs).distribute_strategy is mirrored_1x2_cpu
+        with pytest.raises(ValueError, match="must be created under its own strategy's scope or under none"):
+            keras_dist.DistributedModel(inputs, outputs, strategy=mirrored_1x3_cpu)
