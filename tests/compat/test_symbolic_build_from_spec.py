@@ -1,0 +1,26 @@
+"""shared/cases/19: a first batch smaller than the replica count must train."""
+
+import numpy as np
+import pytest
+
+from keras_dist import _compat
+
+from helpers import dense_pair, regression_data
+
+
+def _fit_three_examples(strategy):
+    x, y = regression_data(3)  # one batch of 3 split 2/1 over 2 replicas
+    _, model = dense_pair(strategy)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    return model
+
+
+def test_without_fix_keras_fails_in_its_pre_build(mirrored_1x2_cpu):
+    with _compat.disabled("symbolic_build_from_spec"):
+        with pytest.raises(Exception, match="(?i)shape|incompatible|dimension"):
+            _fit_three_examples(mirrored_1x2_cpu)
+
+
+def test_with_fix_it_trains(mirrored_1x2_cpu):
+    model = _fit_three_examples(mirrored_1x2_cpu)
+    assert np.all(np.isfinite(model.get_weights()[0]))
