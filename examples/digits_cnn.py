@@ -99,9 +99,10 @@ print(f"train images: {len(x_train)}, test images: {len(x_test)}")
 ## The model
 
 A plain functional CNN: two 3x3 convolutions ("same" padding keeps all 8x8
-positions), dropout, and a dense layer that outputs 10 logits. Building it with `keras_dist.DistributedModel` resolves
-the strategy (`"auto"`), creates every variable under the strategy's scope, and
-prints the plan: strategy, replicas and devices.
+positions), dropout, and a dense layer that outputs 10 logits. Building it with
+`keras_dist.DistributedModel` resolves the strategy (`"auto"`), creates every
+variable under the strategy's scope, and prints the plan: strategy, replicas
+and devices.
 """
 
 inputs = keras.Input(shape=(8, 8, 1))

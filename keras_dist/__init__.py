@@ -9,6 +9,20 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+import keras as _keras  # noqa: E402
+
+
+def _require_tensorflow_backend(backend):
+    if backend != "tensorflow":
+        raise ImportError(
+            "keras-dist trains on Keras' TensorFlow backend (tf.distribute). Received: "
+            f"KERAS_BACKEND={backend!r}. Fix: set KERAS_BACKEND=tensorflow "
+            "before importing keras, or unset it."
+        )
+
+
+_require_tensorflow_backend(_keras.backend.backend())
+
 from keras_dist._runtime.devices import apply_requested_cpu_replicas as _apply_requested_cpu_replicas  # noqa: E402
 
 _apply_requested_cpu_replicas()

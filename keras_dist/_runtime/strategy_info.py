@@ -24,7 +24,11 @@ def all_reduce_implementation(strategy):
 
 def worker_devices(strategy):
     """Returns the device names this worker's replicas run on."""
-    devices = getattr(strategy.extended, "worker_devices", None)
+    try:
+        devices = strategy.extended.worker_devices
+    except (RuntimeError, AttributeError):  # The default strategy has no device list.
+        devices = None
     if devices:
         return list(devices)
-    return [tf.config.list_logical_devices()[0].name]
+    gpus = tf.config.list_logical_devices("GPU")
+    return [(gpus or tf.config.list_logical_devices("CPU"))[0].name]

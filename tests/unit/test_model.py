@@ -234,3 +234,14 @@ def test_model_inside_another_strategys_scope_is_refused(mirrored_1x2_cpu, mirro
         assert keras_dist.DistributedModel(inputs, outputs).distribute_strategy is mirrored_1x2_cpu
         with pytest.raises(ValueError, match="must be created under its own strategy's scope or under none"):
             keras_dist.DistributedModel(inputs, outputs, strategy=mirrored_1x3_cpu)
+
+
+def test_loss_scale_optimizer_built_outside_scope_is_distributed(mirrored_1x2_cpu):
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    inputs = keras.Input((4,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(*_xy(), batch_size=8, verbose=0)
+    kinds = {type(v.value).__name__ for v in [*optimizer.variables, *optimizer.inner_optimizer.variables]}
+    assert kinds == {"MirroredVariable"}
+    assert int(optimizer.inner_optimizer.iterations.numpy()) == 4

@@ -101,3 +101,8 @@ def test_cpu_replicas_env_must_be_positive(monkeypatch, raw):
     monkeypatch.setenv("KERAS_DIST_CPU_REPLICAS", raw)
     with pytest.raises(ValueError, match=f"Received: KERAS_DIST_CPU_REPLICAS='{raw}'"):
         devices.requested_cpu_replicas()
+
+
+def test_non_tensorflow_backend_is_refused():
+    with pytest.raises(ImportError, match="Received: KERAS_BACKEND='jax'. Fix: set KERAS_BACKEND=tensorflow"):
+        keras_dist._require_tensorflow_backend("jax")
