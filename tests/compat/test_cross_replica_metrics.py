@@ -9,6 +9,9 @@ from keras_dist import _compat
 from helpers import dense_pair, regression_data
 
 
+pytestmark = pytest.mark.compat
+
+
 class LastBatchLogs(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.logs = dict(logs)

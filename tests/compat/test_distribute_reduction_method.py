@@ -9,6 +9,9 @@ import keras_dist
 from keras_dist import _compat
 
 
+pytestmark = pytest.mark.compat
+
+
 class ReplicaId(keras_dist.DistributedModel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

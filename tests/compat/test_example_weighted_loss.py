@@ -8,6 +8,9 @@ from keras_dist.testing import max_weight_difference
 from helpers import dense_pair, regression_data
 
 
+pytestmark = pytest.mark.compat
+
+
 def _train(strategy):
     x, y = regression_data(7)  # batch 4: the last batch of 3 splits 2/1 on 2 replicas
     reference, model = dense_pair(strategy)

@@ -8,6 +8,9 @@ import keras_dist
 from keras_dist import _compat
 
 
+pytestmark = pytest.mark.compat
+
+
 def _model(strategy):
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(16, activation="relu")(inputs)

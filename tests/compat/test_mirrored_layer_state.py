@@ -1,10 +1,14 @@
 """shared/cases/14: BatchNormalization moving statistics must be identical on every replica."""
 
+import pytest
 import keras
 import numpy as np
 
 import keras_dist
 from keras_dist import _compat
+
+
+pytestmark = pytest.mark.compat
 
 
 def _replica_copies(strategy):

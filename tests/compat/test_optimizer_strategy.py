@@ -8,6 +8,9 @@ import keras_dist
 from keras_dist import _compat
 
 
+pytestmark = pytest.mark.compat
+
+
 def _fit_with_outside_optimizer(strategy):
     optimizer = keras.optimizers.Adam()  # outside any scope
     inputs = keras.Input((4,))

@@ -9,6 +9,9 @@ from packaging.version import Version
 
 from keras_dist import _compat
 
+pytestmark = pytest.mark.compat
+
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -45,3 +48,9 @@ def test_disabled_rejects_unknown_names():
     with pytest.raises(KeyError, match="Unknown fix name"):
         with _compat.disabled("no_such_fix"):
             pass
+
+
+def test_compat_page_lists_every_fix():
+    page = (ROOT / "docs" / "compat.md").read_text()
+    missing = [name for name in _compat.FIXES if f"`{name}`" not in page]
+    assert not missing, f"docs/compat.md does not list {missing}"

@@ -8,6 +8,9 @@ from keras_dist import _compat
 from helpers import dense_pair, regression_data
 
 
+pytestmark = pytest.mark.compat
+
+
 def _fit_three_examples(strategy):
     x, y = regression_data(3)  # one batch of 3 split 2/1 over 2 replicas
     _, model = dense_pair(strategy)
