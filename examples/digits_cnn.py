@@ -54,7 +54,7 @@ import tensorflow as tf
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+parser = argparse.ArgumentParser(description="Train a CNN on the digits with keras-dist.")
 parser.add_argument("--epochs", type=int, default=20)
 parser.add_argument("--global-batch-size", type=int, default=64)
 parser.add_argument("--cpu-replicas", type=int, default=2,

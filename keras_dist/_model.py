@@ -120,6 +120,7 @@ class DistributedModel(keras.Model):
                     variables.set_aggregation(v, "mean")
         owned = {id(v): v for v in [*self.variables, *self.weights, *self.metrics_variables]}
         moved = sum(variables.rehome(v, strategy) for v in owned.values())
+        self._decorrelate_seeds(owned.values())
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and _compat.is_active("optimizer_strategy"):
             moved += variables.rehome_optimizer(optimizer, strategy)
@@ -127,6 +128,16 @@ class DistributedModel(keras.Model):
             if optimizer is not None:
                 variables.reindex_optimizer(optimizer)
             self.train_function = self.test_function = self.predict_function = None
+
+    def _decorrelate_seeds(self, candidates):
+        strategy = self._distribute_strategy
+        if not (_compat.is_active("replica_seed_state") and variables.is_multi_replica(strategy)):
+            return
+        done = self.__dict__.setdefault("_keras_dist_seeded", {})
+        for v in candidates:
+            if v.name == variables.SEED_STATE_NAME and done.get(id(v)) is not v.value:
+                variables.decorrelate_seed_state(v, strategy)
+                done[id(v)] = v.value
 
     # --------------------------------------------------------------- compile
     def compile(self, *args, **kwargs):

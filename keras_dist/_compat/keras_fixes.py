@@ -126,6 +126,17 @@ FIXES = {
             "compile() with a message saying what to do.",
             remove_when=_OPEN,
         ),
+        Fix(
+            name="replica_seed_state",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/issues/18667 (seed state mirrored like any variable)",
+            symptom="A SeedGenerator's state is mirrored identically, so every replica draws the same "
+            "random numbers: Dropout drops the same units on every replica's different examples.",
+            remedy="Each replica's copy of a seed generator state gets the replica id added to its "
+            "seed (replica 0 keeps the user's seed).",
+            remove_when=_OPEN,
+        ),
     ]
 }
 

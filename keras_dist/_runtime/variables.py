@@ -131,3 +131,30 @@ def _optimizer_chain(optimizer):
     if inner is not None:
         chain.append(inner)
     return chain
+
+
+SEED_STATE_NAME = "seed_generator_state"
+
+
+def decorrelate_seed_state(variable, strategy, *, first_replica_id=0):
+    """Gives every replica's copy of a Keras `SeedGenerator` state its own seed.
+
+    Keras mirrors a seed generator's `[seed, counter]` state like any variable,
+    so every replica draws the same random numbers (identical dropout masks on
+    different examples). Adding the replica's id to the seed makes the draws
+    independent, as they are across the examples of one device's batch.
+
+    Args:
+        variable: `keras.Variable` named `"seed_generator_state"`, shape `(2,)`.
+        strategy: The multi-replica `tf.distribute.Strategy` that mirrors it.
+        first_replica_id: Integer, the global id of this worker's first replica.
+
+    Distributed behavior:
+        Cross-replica context, eager; not a collective. Replica 0 keeps the
+        user's seed, so one replica draws what one device would.
+    """
+    for offset, component in enumerate(strategy.experimental_local_results(variable.value)):
+        replica_id = first_replica_id + offset
+        if replica_id:
+            value = component.read_value()
+            component.assign(value + tf.constant([replica_id, 0], dtype=value.dtype))
