@@ -115,8 +115,8 @@ class DistributedModel(keras.Model):
         """Re-homes every variable this model owns onto its strategy (cheap when nothing moved)."""
         strategy = self._distribute_strategy
         if _compat.is_active("mirrored_layer_state") and variables.is_multi_replica(strategy):
-            for v in self.non_trainable_weights:
-                if v.aggregation == "none" and "float" in v.dtype:
+            for v in self.weights:
+                if not v.trainable and v.aggregation == "none" and "float" in v.dtype:
                     variables.set_aggregation(v, "mean")
         owned = {id(v): v for v in [*self.variables, *self.weights, *self.metrics_variables]}
         moved = sum(variables.rehome(v, strategy) for v in owned.values())
