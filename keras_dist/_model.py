@@ -244,6 +244,19 @@ class DistributedModel(keras.Model):
         self._distribute_state()
         return super().make_predict_function(force=force)
 
+    def predict_on_batch(self, x):
+        """Returns predictions for one batch, split across the replicas like `predict`.
+
+        Keras 3 hands the undivided batch to every replica and concatenates the
+        results, returning `num_replicas_in_sync` times too many rows.
+        """
+        if self._distribute_strategy.num_replicas_in_sync == 1 or not _compat.is_active(
+            "predict_on_batch_split"
+        ):
+            return super().predict_on_batch(x)
+        batch_size = int(keras.tree.flatten(x)[0].shape[0])
+        return self.predict(x, batch_size=max(batch_size, 1), verbose=0)
+
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         if not _compat.is_active("symbolic_build_from_spec"):
             steps.maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)

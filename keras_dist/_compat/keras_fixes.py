@@ -137,6 +137,17 @@ FIXES = {
             "seed (replica 0 keeps the user's seed).",
             remove_when=_OPEN,
         ),
+        Fix(
+            name="predict_on_batch_split",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (predict_on_batch; no upstream report found)",
+            symptom="predict_on_batch under a multi-replica strategy runs the whole batch on every "
+            "replica and concatenates, returning num_replicas_in_sync times too many rows.",
+            remedy="predict_on_batch runs predict with the batch as one global batch, split across "
+            "the replicas, returning exactly the input's rows in order.",
+            remove_when=_OPEN,
+        ),
     ]
 }
 
