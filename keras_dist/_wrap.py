@@ -81,7 +81,7 @@ def _functional_graph(model):
             return None
         if inputs and outputs:
             if isinstance(model, ki.Functional):
-                return model._inputs_struct, model._outputs_struct
+                return ki.functional_structure(model)
             return inputs, outputs
     return None
 

@@ -18,7 +18,13 @@ __all__ = [
     "unpack_x_y_sample_weight",
     "unscale_loss_for_distribution",
     "dataset_element_spec",
+    "functional_structure",
 ]
+
+
+def functional_structure(model):
+    """Returns `(inputs, outputs)` of a functional model with their nesting (dicts, lists) kept."""
+    return model._inputs_struct, model._outputs_struct
 
 
 def compile_arguments(model):
