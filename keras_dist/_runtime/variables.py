@@ -20,7 +20,7 @@ _AGGREGATIONS = {
 
 def is_multi_replica(strategy):
     """Returns whether `strategy` mirrors variables (more than one replica, or multi-worker)."""
-    return isinstance(strategy.extended, _MIRRORING_EXTENDEDS) or strategy.num_replicas_in_sync > 1
+    return isinstance(strategy.extended, _MIRRORING_EXTENDEDS)
 
 
 def _mirroring_extendeds():

@@ -96,8 +96,7 @@ def check_supported(strategy):
     (keras-team/keras#18624) and `CentralStorageStrategy` is experimental and
     untested with Keras 3.
     """
-    default = tf.distribute.get_strategy() if not tf.distribute.has_strategy() else None
-    if isinstance(strategy, _SUPPORTED) or strategy is default or _is_default(strategy):
+    if isinstance(strategy, _SUPPORTED) or _is_default(strategy):
         return
     raise ValueError(
         "keras-dist trains with MirroredStrategy, MultiWorkerMirroredStrategy, "
