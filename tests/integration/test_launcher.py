@@ -1,0 +1,187 @@
+"""`keras-dist launch` end to end, with tiny worker scripts that do not import TensorFlow.
+
+Each test runs the launcher as `python -m keras_dist.cli launch ...` and checks
+output prefixes, exit status, signal forwarding and that no worker outlives it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from keras_dist.cli.launch import find_free_ports
+
+pytestmark = pytest.mark.multi_worker
+
+LAUNCHER = [sys.executable, "-m", "keras_dist.cli", "launch"]
+ENV = {
+    **{k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS")},
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+}
+
+# Shared by the worker scripts: who am I, and a helper to wait for a file.
+PREAMBLE = """
+import json, os, signal, sys, time
+TASK_ID = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+DIR = sys.argv[1]
+
+def write(name, text=""):
+    with open(os.path.join(DIR, name + ".tmp"), "w") as f:
+        f.write(str(text))
+    os.replace(os.path.join(DIR, name + ".tmp"), os.path.join(DIR, name))
+
+def wait_for(name, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(DIR, name)):
+        if time.monotonic() > deadline:
+            sys.exit(f"timed out waiting for {name}")
+        time.sleep(0.05)
+"""
+
+
+def _script(tmp_path, body):
+    path = tmp_path / "worker.py"
+    path.write_text(PREAMBLE + body)
+    return str(path)
+
+
+def _run(options, script_and_args, timeout=60):
+    return subprocess.run(
+        [*LAUNCHER, *options, *script_and_args], env=ENV, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _worker_lines(stdout, task_id):
+    prefix = f"[worker:{task_id}] "
+    return [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
+
+
+def _assert_gone(pid):
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def _wait_for_files(paths, timeout):
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(path) for path in paths):
+        assert time.monotonic() < deadline, f"timed out waiting for {paths}"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+def test_two_workers_get_their_tf_config_and_prefixed_output(tmp_path):
+    script = _script(tmp_path, """
+config = json.loads(os.environ["TF_CONFIG"])
+print(json.dumps({"task": config["task"], "cluster": config["cluster"],
+                  "cpu_replicas": os.environ.get("KERAS_DIST_CPU_REPLICAS"), "argv": sys.argv[2:]}))
+print("to stderr", file=sys.stderr)
+sys.stdout.write("last line without newline")
+""")
+    result = _run(["--num-workers", "2", "--cpu-replicas", "3"], [script, str(tmp_path), "--epochs", "3"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = []
+    for task_id in (0, 1):
+        lines = _worker_lines(result.stdout, task_id)
+        assert sorted(lines[1:]) == ["last line without newline", "to stderr"], result.stdout
+        reports.append(json.loads(lines[0]))
+    assert [report["task"] for report in reports] == [{"type": "worker", "index": i} for i in (0, 1)]
+    assert all(report["cpu_replicas"] == "3" and report["argv"] == ["--epochs", "3"] for report in reports)
+    workers = reports[0]["cluster"]["worker"]
+    assert reports[1]["cluster"]["worker"] == workers
+    assert len(set(workers)) == 2 and all(address.startswith("127.0.0.1:") for address in workers)
+
+
+@pytest.mark.timeout(90)
+def test_module_mode_runs_python_dash_m(tmp_path):
+    (tmp_path / "my_trainer.py").write_text("import os; print('module', os.environ.get('KERAS_DIST_CPU_REPLICAS'))\n")
+    result = subprocess.run(
+        [*LAUNCHER, "--num-workers", "1", "-m", "my_trainer"],
+        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _worker_lines(result.stdout, 0) == ["module None"]
+
+
+@pytest.mark.timeout(90)
+def test_failing_worker_stops_the_others_and_sets_the_exit_status(tmp_path):
+    script = _script(tmp_path, """
+if TASK_ID == 0:
+    write("pid0", os.getpid())
+    time.sleep(60)
+else:
+    wait_for("pid0")
+    sys.exit(3)
+""")
+    start = time.monotonic()
+    result = _run([], [script, str(tmp_path)])
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert elapsed < 15 + 10, elapsed  # Launcher start-up (it imports keras_dist) plus 15 s.
+    assert "keras-dist launch: worker 1 exited with status 3; stopping the other workers." in result.stderr
+    _assert_gone(int((tmp_path / "pid0").read_text()))
+
+
+@pytest.mark.timeout(90)
+def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
+    script = _script(tmp_path, """
+if TASK_ID == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    write("pid0", os.getpid())
+    time.sleep(60)
+else:
+    wait_for("pid0")
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+    result = _run(["--grace-period", "2"], [script, str(tmp_path)])
+    assert result.returncode == 137, result.stdout + result.stderr
+    assert "worker 1 was killed by SIGKILL; stopping the other workers." in result.stderr
+    assert "worker 0 did not exit within 2 s; sending SIGKILL." in result.stderr
+    _assert_gone(int((tmp_path / "pid0").read_text()))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_launcher_reaches_every_worker(tmp_path, signum, status):
+    script = _script(tmp_path, f"""
+def on_signal(received, frame):
+    write(f"got{{TASK_ID}}", signal.Signals(received).name)
+    sys.exit(0)
+
+signal.signal({int(signum)}, on_signal)
+write(f"pid{{TASK_ID}}", os.getpid())
+time.sleep(60)
+""")
+    launcher = subprocess.Popen(
+        [*LAUNCHER, "--num-workers", "2", script, str(tmp_path)],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_for_files([tmp_path / "pid0", tmp_path / "pid1"], timeout=40)
+        launcher.send_signal(signum)
+        stdout, stderr = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()  # Lets the launcher stop its workers.
+            launcher.communicate(timeout=30)
+    assert launcher.returncode == status, stdout + stderr
+    assert f"received {signum.name}; forwarding it to the workers." in stderr
+    for task_id in (0, 1):
+        assert (tmp_path / f"got{task_id}").read_text() == signum.name
+        _assert_gone(int((tmp_path / f"pid{task_id}").read_text()))
+
+
+@pytest.mark.timeout(90)
+def test_cluster_mode_starts_only_the_given_task(tmp_path):
+    script = _script(tmp_path, """
+print(os.environ["TF_CONFIG"])
+""")
+    workers = [f"127.0.0.1:{port}" for port in find_free_ports(2)]
+    result = _run(["--workers", ",".join(workers), "--task-index", "1"], [script, str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _worker_lines(result.stdout, 0) == []
+    (line,) = _worker_lines(result.stdout, 1)
+    assert json.loads(line) == {"cluster": {"worker": workers}, "task": {"type": "worker", "index": 1}}
