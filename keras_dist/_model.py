@@ -7,16 +7,20 @@ only (1) creates or re-creates every variable under the strategy's scope and
 strategy (see `keras_dist._compat.keras_fixes`).
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import steps, variables
-from keras_dist.strategy import _plan, _resolve
+from keras_dist.strategy import _cluster, _plan, _resolve
 
 _REDUCTION_METHODS = ("auto", "mean", "sum", "first")
 _FUNCTIONAL_CLASSES = {}
+# What TensorFlow raises when a peer crashed, stopped answering or missed a collective.
+_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -174,6 +178,55 @@ class DistributedModel(keras.Model):
             with self._distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
 
+    # ----------------------------------------------------- fit / evaluate / predict
+    def fit(self, *args, **kwargs):
+        """Trains the model, exactly as `keras.Model.fit`.
+
+        Raises:
+            keras_dist.errors.WorkerUnavailableError: Under multi-worker
+                training, another worker crashed or stopped answering; the
+                message names it.
+
+        Distributed behavior:
+            Collective: every worker must call `fit` with the same arguments.
+            Progress is printed on the chief only (`verbose=0` elsewhere).
+        """
+        with self._naming_lost_workers():
+            return super().fit(*args, **self._chief_only_verbosity(kwargs))
+
+    def evaluate(self, *args, **kwargs):
+        """Evaluates the model, exactly as `keras.Model.evaluate` (see `fit` for errors)."""
+        with self._naming_lost_workers():
+            return super().evaluate(*args, **self._chief_only_verbosity(kwargs))
+
+    def predict(self, *args, **kwargs):
+        """Predicts, exactly as `keras.Model.predict`: every worker gets all rows in input order."""
+        with self._naming_lost_workers():
+            return super().predict(*args, **self._chief_only_verbosity(kwargs))
+
+    def _chief_only_verbosity(self, kwargs):
+        if variables.is_multi_worker(self._distribute_strategy) and not _plan.is_chief(
+            self._distribute_strategy
+        ):
+            kwargs = {**kwargs, "verbose": 0}
+        return kwargs
+
+    @contextlib.contextmanager
+    def _naming_lost_workers(self):
+        if not variables.is_multi_worker(self._distribute_strategy):
+            yield
+            return
+        try:
+            yield
+        except _PEER_ERRORS as e:
+            during = "collective" if isinstance(e, tf.errors.DeadlineExceededError) else "training"
+            raise _cluster.worker_unavailable_error(
+                _cluster.cluster_from_environment(),
+                e.message,
+                during=during,
+                timeouts=_resolve.timeouts_from_environment(),
+            ) from e
+
     # ------------------------------------------------------------ the steps
     def train_step(self, data):
         """Keras' `train_step`, with each replica's loss weighted by its share of the global batch."""
@@ -224,11 +277,18 @@ class DistributedModel(keras.Model):
 
         return tf.nest.map_structure(reduce, outputs)
 
+    def _needs_replica_axis(self):
+        return _compat.is_active("multi_worker_output_reduction") and variables.is_multi_worker(
+            self._distribute_strategy
+        )
+
     def make_train_function(self, force=False):
         self._distribute_state()
         if self.train_function is None or force:
             self.train_function = steps.make_step_function(
-                self, lambda data: self._reduce_in_replica_context(self.train_step(data))
+                self,
+                lambda data: self._reduce_in_replica_context(self.train_step(data)),
+                add_replica_axis=self._needs_replica_axis(),
             )
         return self.train_function
 
@@ -236,7 +296,9 @@ class DistributedModel(keras.Model):
         self._distribute_state()
         if self.test_function is None or force:
             self.test_function = steps.make_step_function(
-                self, lambda data: self._reduce_in_replica_context(self.test_step(data))
+                self,
+                lambda data: self._reduce_in_replica_context(self.test_step(data)),
+                add_replica_axis=self._needs_replica_axis(),
             )
         return self.test_function
 

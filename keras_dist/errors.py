@@ -8,3 +8,21 @@ keras-dist's own conditions apart from everything else.
 
 class KerasDistWarning(UserWarning):
     """Base class of every warning keras-dist emits (so tests can turn them into errors)."""
+
+
+class WorkerUnavailableError(RuntimeError):
+    """Another worker did not join the cluster in time, or stopped answering during training.
+
+    Raised on every surviving worker instead of hanging: at startup after
+    `KERAS_DIST_STARTUP_TIMEOUT` seconds, during `fit`/`evaluate`/`predict`
+    after `KERAS_DIST_HEARTBEAT_TIMEOUT` seconds without a heartbeat (or after
+    `KERAS_DIST_COLLECTIVE_TIMEOUT` when set). The message names the worker(s).
+
+    Attributes:
+        missing: Tuple of task names (`"worker:1"`) that did not answer; empty
+            when TensorFlow did not say which.
+    """
+
+    def __init__(self, message, missing=()):
+        super().__init__(message)
+        self.missing = tuple(missing)

@@ -148,6 +148,18 @@ FIXES = {
             "the replicas, returning exactly the input's rows in order.",
             remove_when=_OPEN,
         ),
+        Fix(
+            name="multi_worker_output_reduction",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/issues/20585 (follow-up; shared/cases/02)",
+            symptom="Under MultiWorkerMirroredStrategy, fit/evaluate reduce every step output with "
+            "strategy.reduce('MEAN', value, axis=0), which fails on scalar metrics ('Invalid reduction "
+            "dimension 0 for input with 0 dimensions') and averages away axis 0 of other outputs.",
+            remedy="Under a multi-worker strategy each replica's step outputs get a leading replica "
+            "axis of size 1, so Keras' axis-0 mean is exactly the mean over replicas.",
+            remove_when=_OPEN,
+        ),
     ]
 }
 

@@ -59,6 +59,12 @@ def simulate_cpu_replicas(num_replicas):
         TensorFlow guide, "Logical device configuration",
         https://www.tensorflow.org/guide/gpu#using_multiple_gpus (same API on CPU).
     """
+    _split_cpu(num_replicas)
+    return _cpu_device_names()
+
+
+def _split_cpu(num_replicas):
+    """Configures `num_replicas` logical CPU devices without initializing TensorFlow's context."""
     if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
         raise ValueError(
             "`num_replicas` must be a positive integer. "
@@ -67,7 +73,7 @@ def simulate_cpu_replicas(num_replicas):
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     if current is not None and len(current) == num_replicas:
-        return _cpu_device_names()
+        return
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * num_replicas
@@ -75,7 +81,7 @@ def simulate_cpu_replicas(num_replicas):
     except RuntimeError as e:
         have = len(tf.config.list_logical_devices("CPU"))
         if have == num_replicas:
-            return _cpu_device_names()
+            return
         raise RuntimeError(
             f"Cannot split the CPU into {num_replicas} replicas: TensorFlow already "
             f"initialized its devices with {have} CPU device(s). The split must "
@@ -84,7 +90,6 @@ def simulate_cpu_replicas(num_replicas):
             "`import keras_dist`, before building data or models, or set "
             f"`{CPU_REPLICAS_ENV}={num_replicas}` before starting Python."
         ) from e
-    return _cpu_device_names()
 
 
 def apply_requested_cpu_replicas():
@@ -95,7 +100,7 @@ def apply_requested_cpu_replicas():
     """
     requested = requested_cpu_replicas()
     if requested and requested > 1:
-        simulate_cpu_replicas(requested)
+        _split_cpu(requested)
     return requested
 
 

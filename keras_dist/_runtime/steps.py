@@ -60,14 +60,34 @@ def batch_size_of(x):
     return tf.shape(next(leaf for leaf in tree.flatten(x) if leaf is not None))[0]
 
 
-def make_step_function(model, replica_step):
+def make_step_function(model, replica_step, *, add_replica_axis=False):
     """Builds the function `fit`/`evaluate` call per execution, from a replica step.
 
     Uses Keras' own factory (`TensorFlowTrainer._make_function`): the
     `steps_per_execution` loop, `tf.function` compilation and output reduction
     stay Keras'.
+
+    Args:
+        model: The `keras.Model`.
+        replica_step: Callable run in replica context on one per-replica batch,
+            returning a structure of tensors.
+        add_replica_axis: Boolean. Under `MultiWorkerMirroredStrategy` Keras
+            reduces each output with `strategy.reduce("MEAN", value, axis=0)`;
+            a leading axis of size 1 makes that the mean over replicas.
     """
+    if add_replica_axis:
+        step = replica_step
+
+        def replica_step(data):
+            return tree.map_structure(_with_replica_axis, step(data))
+
     return ki.TensorFlowTrainer._make_function(model, replica_step)
+
+
+def _with_replica_axis(value):
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        return tf.expand_dims(value, 0)
+    return value
 
 
 def symbolic_build_from_spec(model, element_spec):

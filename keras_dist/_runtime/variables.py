@@ -23,6 +23,13 @@ def is_multi_replica(strategy):
     return isinstance(strategy.extended, _MIRRORING_EXTENDEDS)
 
 
+def is_multi_worker(strategy):
+    """Returns whether `strategy` is a `MultiWorkerMirroredStrategy` spanning more than one worker."""
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
 def _mirroring_extendeds():
     from tensorflow.python.distribute import mirrored_strategy, tpu_strategy
 

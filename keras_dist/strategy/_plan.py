@@ -5,6 +5,7 @@ import functools
 import os
 
 from keras_dist._runtime import strategy_info
+from keras_dist.strategy import _cluster
 
 _ANNOUNCED = set()
 
@@ -53,8 +54,18 @@ def _task(strategy):
     return resolver.task_type, int(resolver.task_id or 0), num_workers
 
 
-def is_chief(strategy):
-    """Returns whether this process writes files and logs: task `chief`, or worker 0 without one."""
+def is_chief(strategy=None):
+    """Returns whether this process writes files and logs: task `chief`, or worker 0 without one.
+
+    Args:
+        strategy: A `tf.distribute.Strategy` whose cluster to ask, or `None`
+            (the default) for the cluster `TF_CONFIG` or SLURM describes.
+
+    Raises:
+        ValueError: `strategy` is `None` and `TF_CONFIG` is set but invalid.
+    """
+    if strategy is None:
+        return _cluster.cluster_from_environment().is_chief
     task_type, task_id, _ = _task(strategy)
     resolver = getattr(strategy, "cluster_resolver", None)
     has_chief = bool(resolver and resolver.task_type and "chief" in resolver.cluster_spec().as_dict())

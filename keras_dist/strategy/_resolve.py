@@ -1,11 +1,12 @@
 """Resolve `strategy=` (an instance or a name) to one `tf.distribute.Strategy` per process."""
 
-import json
 import os
+import sys
 
 import tensorflow as tf
 
-from keras_dist._runtime import devices
+from keras_dist._runtime import devices, multi_worker
+from keras_dist.strategy import _cluster
 
 STRATEGY_NAMES = ("auto", "mirrored", "multi_worker", "tpu", "one_device")
 
@@ -131,7 +132,7 @@ def _create(name):
         tf.tpu.experimental.initialize_tpu_system(resolver)
         return tf.distribute.TPUStrategy(resolver)
     if name == "multi_worker":
-        return tf.distribute.MultiWorkerMirroredStrategy()
+        return _create_multi_worker(_cluster.cluster_from_environment())
     gpus = [f"/gpu:{i}" for i in range(len(devices.gpu_names()))]
     if name == "one_device":
         return tf.distribute.OneDeviceStrategy(gpus[0] if gpus else "/cpu:0")
@@ -154,16 +155,123 @@ def _tpu_address():
 
 
 def _num_cluster_tasks():
-    """Returns the number of `chief` and `worker` tasks in `TF_CONFIG` (0 when unset)."""
-    raw = os.environ.get("TF_CONFIG", "").strip()
-    if not raw:
-        return 0
+    """Returns the number of `chief` and `worker` tasks in the cluster (0 without one)."""
+    info = _cluster.cluster_from_environment()
+    return 0 if info.source == "local" else info.num_workers
+
+
+def timeouts_from_environment(environ=None):
+    """Returns the multi-worker timeouts, in seconds, from `KERAS_DIST_*_TIMEOUT` variables.
+
+    Args:
+        environ: Mapping of environment variables. Defaults to `os.environ`.
+
+    Returns:
+        Dict with `startup_timeout_seconds` (`KERAS_DIST_STARTUP_TIMEOUT`, default
+        300: how long workers wait for each other at start),
+        `heartbeat_timeout_seconds` (`KERAS_DIST_HEARTBEAT_TIMEOUT`, default 30:
+        how long a worker may stop answering before the others fail) and
+        `collective_timeout_seconds` (`KERAS_DIST_COLLECTIVE_TIMEOUT`, default 0
+        = none: the longest one all-reduce may wait; TensorFlow starts a thread
+        per collective to enforce it, so it is meant for debugging).
+
+    Raises:
+        ValueError: A variable is not a number, or is negative (0 is allowed
+            only for the collective timeout).
+    """
+    environ = os.environ if environ is None else environ
+    timeouts = {}
+    for key, var, default, minimum in _TIMEOUTS:
+        raw = environ.get(var, "").strip()
+        try:
+            value = float(raw) if raw else default
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (minimum == 0 and value < 0) or value != value:
+            raise ValueError(
+                f"`{var}` must be a number of seconds{' > 0' if minimum else ' >= 0'}. "
+                f"Received: {var}={raw!r}. Fix: set it to e.g. {default:g}, or unset it."
+            )
+        timeouts[key] = value
+    return timeouts
+
+
+_TIMEOUTS = (
+    ("startup_timeout_seconds", "KERAS_DIST_STARTUP_TIMEOUT", 300.0, 1e-3),
+    ("heartbeat_timeout_seconds", "KERAS_DIST_HEARTBEAT_TIMEOUT", 30.0, 1.0),
+    ("collective_timeout_seconds", "KERAS_DIST_COLLECTIVE_TIMEOUT", 0.0, 0),
+)
+
+
+def _create_multi_worker(info):
+    """Creates the process's `MultiWorkerMirroredStrategy`; blocks until every worker joined."""
+    if info.source == "local":
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    else:
+        num_gpus = len(devices.gpu_names())
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({kind: list(addresses) for kind, addresses in info.cluster.items()}),
+            task_type=info.task_type,
+            task_id=info.task_id,
+            rpc_layer="grpc",
+            num_accelerators={"GPU": num_gpus} if num_gpus else None,
+        )
+    timeouts = timeouts_from_environment()
     try:
-        cluster = json.loads(raw).get("cluster", {})
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ValueError(
-            "`TF_CONFIG` must be a JSON object like "
-            '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}. '
-            f"Received: TF_CONFIG={raw[:200]!r}. Fix: repair or unset TF_CONFIG."
-        ) from e
-    return sum(len(cluster.get(kind, [])) for kind in ("chief", "worker"))
+        return multi_worker.create_strategy(
+            resolver, num_cpu_replicas=devices.num_logical_cpus(), **timeouts
+        )
+    except RuntimeError as e:
+        if "program startup" not in str(e):
+            raise
+        raise RuntimeError(
+            f"[{info.task_name}] MultiWorkerMirroredStrategy must be created before TensorFlow "
+            "runs its first operation, and TensorFlow already ran one in this process. "
+            "Fix: put `import keras_dist` at the top of the script, before any code that creates "
+            "a tensor, a dataset or a model (keras_dist then joins the cluster at import). "
+            "See docs/troubleshooting.md#program-startup."
+        ) from None
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
+        raise _cluster.worker_unavailable_error(
+            info, e.message, during="startup", timeouts=timeouts
+        ) from None
+
+
+JOIN_AT_IMPORT_ENV = "KERAS_DIST_JOIN_AT_IMPORT"
+
+
+def join_cluster_at_import(argv0=None, environ=None):
+    """Creates the multi-worker strategy now when the environment describes a cluster.
+
+    TensorFlow accepts `MultiWorkerMirroredStrategy` only before its first
+    operation, so `import keras_dist` joins the cluster (`TF_CONFIG` or SLURM
+    with more than one training task) at once; the script may then build data,
+    reference models and DistributedModels in any order. Skipped in the
+    `keras-dist` command itself and when `KERAS_DIST_JOIN_AT_IMPORT=0`.
+
+    Args:
+        argv0: String, the program name (defaults to `sys.argv[0]`).
+        environ: Mapping of environment variables. Defaults to `os.environ`.
+
+    Returns:
+        The `tf.distribute.Strategy` created, or `None` when nothing was done.
+
+    Raises:
+        ValueError: `TF_CONFIG` is invalid, or a `KERAS_DIST_*_TIMEOUT` is not a number.
+        RuntimeError: TensorFlow already ran an operation in this process.
+        keras_dist.errors.WorkerUnavailableError: Some workers did not join
+            within `KERAS_DIST_STARTUP_TIMEOUT` seconds.
+
+    Distributed behavior:
+        Collective: blocks until every worker of the cluster has joined.
+    """
+    environ = os.environ if environ is None else environ
+    argv0 = sys.argv[0] if argv0 is None and sys.argv else (argv0 or "")
+    # `python -m keras_dist.cli` imports this package while sys.argv[0] is still "-m".
+    if environ.get(JOIN_AT_IMPORT_ENV, "1") == "0" or argv0 == "-m" or os.path.basename(argv0) == "keras-dist":
+        return None
+    info = _cluster.cluster_from_environment(environ)
+    timeouts_from_environment(environ)
+    if info.source == "local" or info.num_workers < 2:
+        return None
+    return resolve_strategy("multi_worker")

@@ -1,0 +1,127 @@
+"""Create `MultiWorkerMirroredStrategy` with bounded waits, and name unreachable peers.
+
+TensorFlow's strategy waits for the cluster without a time limit and uses one CPU
+device per worker. This module (private TF internals, hence `_runtime`) adds:
+a startup timeout and heartbeat timeout on TensorFlow's coordination service, a
+default collective timeout, and several simulated CPU replicas per worker.
+
+What happens on each worker: every worker calls `create_strategy` once, at
+program start; it returns when all workers listed in the cluster have joined.
+"""
+
+import socket
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
+from tensorflow.python.distribute import multi_worker_util
+from tensorflow.python.eager import context
+
+# TensorFlow 2.21 moved the proto; both paths exist in the supported range.
+try:
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+except ImportError:  # pragma: no cover - older layout
+    from tsl.protobuf import coordination_config_pb2
+
+
+class _CollectiveAllReduceExtended(_mwms.CollectiveAllReduceExtended):
+    """TensorFlow's extended strategy, with `num_cpu_replicas` CPU devices per worker."""
+
+    def __init__(self, container, *, cluster_resolver, communication_options, num_cpu_replicas):
+        self._keras_dist_num_cpu_replicas = num_cpu_replicas
+        super().__init__(
+            container, cluster_resolver=cluster_resolver, communication_options=communication_options
+        )
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        devices, device_type = super()._initialize_local_devices(cluster_resolver, worker_device)
+        if device_type == "CPU" and self._keras_dist_num_cpu_replicas > 1:
+            devices = tuple(
+                f"{worker_device}/device:CPU:{i}" for i in range(self._keras_dist_num_cpu_replicas)
+            )
+        return devices, device_type
+
+
+class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """`tf.distribute.MultiWorkerMirroredStrategy` that can hold several CPU replicas per worker."""
+
+    def __init__(self, cluster_resolver, communication_options, *, num_cpu_replicas=1):
+        tf.distribute.Strategy.__init__(
+            self,
+            _CollectiveAllReduceExtended(
+                self,
+                cluster_resolver=cluster_resolver,
+                communication_options=communication_options,
+                num_cpu_replicas=num_cpu_replicas,
+            ),
+        )
+
+
+def create_strategy(
+    cluster_resolver,
+    *,
+    startup_timeout_seconds,
+    heartbeat_timeout_seconds,
+    collective_timeout_seconds,
+    num_cpu_replicas=1,
+):
+    """Creates the multi-worker strategy; returns once every worker has joined.
+
+    Args:
+        cluster_resolver: `tf.distribute.cluster_resolver.ClusterResolver` with
+            the cluster, this task's type and id.
+        startup_timeout_seconds: Float, how long to wait for every task to join.
+        heartbeat_timeout_seconds: Float, how long a task may stop answering
+            before the others abort their collectives.
+        collective_timeout_seconds: Float, the longest one collective may wait
+            for its peers (0 disables).
+        num_cpu_replicas: Integer, replicas per worker when the worker has no
+            GPU (logical CPU devices must exist already).
+
+    Returns:
+        A `tf.distribute.MultiWorkerMirroredStrategy`.
+
+    Raises:
+        RuntimeError: TensorFlow already ran an operation in this process, or
+            some workers did not join within `startup_timeout_seconds`.
+
+    Distributed behavior:
+        Collective: every worker must call this once; it blocks until all have.
+    """
+    cluster_spec = multi_worker_util.normalize_cluster_spec(cluster_resolver.cluster_spec())
+    if context.context().coordination_service is None:
+        jobs = [
+            coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker")
+            if job in cluster_spec.jobs
+        ]
+        context.context().configure_coordination_service(
+            service_type="standalone",
+            service_leader=multi_worker_util.coordination_leader(cluster_spec),
+            coordinated_jobs=jobs,
+            cluster_register_timeout_in_ms=int(startup_timeout_seconds * 1000),
+            heartbeat_timeout_in_ms=int(heartbeat_timeout_seconds * 1000),
+        )
+        # Without the barrier, the register timeout is not enforced: task 0 waits forever.
+        context.context().coordination_service.cluster_register_with_barrier = True
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=collective_timeout_seconds or None
+    )
+    return MultiWorkerMirroredStrategy(cluster_resolver, options, num_cpu_replicas=num_cpu_replicas)
+
+
+def unreachable_addresses(addresses, *, timeout_seconds=2.0):
+    """Returns the `host:port` addresses that refuse or time out a TCP connection.
+
+    Args:
+        addresses: Iterable of `"host:port"` strings.
+        timeout_seconds: Float, the connect timeout per address.
+    """
+    unreachable = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_seconds):
+                pass
+        except OSError:
+            unreachable.append(address)
+    return unreachable

@@ -1,0 +1,372 @@
+"""Layer 2: the cluster this process belongs to, read from `TF_CONFIG` or SLURM and validated.
+
+Everything here is checked before any server starts, so a malformed cluster
+description fails on every worker at once with a message that says how to fix
+it, instead of a hang on one worker and a crash on another.
+
+`TF_CONFIG` is the JSON TensorFlow reads (https://www.tensorflow.org/guide/distributed_training#TF_CONFIG),
+as Kubeflow's TFJob and Ray Train's TensorflowTrainer write it:
+`{"cluster": {"chief": ["host:port"], "worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}`.
+"""
+
+import dataclasses
+import json
+import os
+import re
+
+import tensorflow as tf
+
+from keras_dist import errors
+from keras_dist._runtime import devices, multi_worker
+
+TRAINING_TASK_TYPES = ("chief", "worker")
+_OTHER_TASK_TYPES = ("evaluator", "ps")
+_TOP_LEVEL_KEYS = ("cluster", "task", "environment", "rpc_layer", "session_master")
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+_TF_CONFIG_EXAMPLE = (
+    '{"cluster": {"worker": ["host0:port", "host1:port"]}, "task": {"type": "worker", "index": 0}}'
+)
+SLURM_PORT_BASE_ENV = "KERAS_DIST_SLURM_PORT_BASE"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+    """This process's place in a cluster of workers.
+
+    Attributes:
+        cluster: Dict from task type (`"chief"`, `"worker"`) to a tuple of
+            `"host:port"` addresses, empty when there is no cluster.
+        task_type: String, this process's task type (`"worker"` alone).
+        task_id: Integer, this process's index among tasks of its type.
+        source: String, where the cluster came from: `"TF_CONFIG"`, `"SLURM"`
+            or `"local"` (no cluster).
+    """
+
+    cluster: dict
+    task_type: str = "worker"
+    task_id: int = 0
+    source: str = "local"
+
+    @property
+    def num_workers(self):
+        """Integer, the processes that train: `chief` and `worker` tasks (1 without a cluster)."""
+        return sum(len(self.cluster.get(kind, ())) for kind in TRAINING_TASK_TYPES) or 1
+
+    @property
+    def is_chief(self):
+        """Boolean: task `chief`, or worker 0 when the cluster has no chief."""
+        if "chief" in self.cluster:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_id == 0
+
+    @property
+    def task_name(self):
+        """String `"<task_type>:<task_id>"`, the prefix the launcher puts on this worker's output."""
+        return f"{self.task_type}:{self.task_id}"
+
+    def addresses(self):
+        """Returns a dict from task name (`"worker:1"`) to its `"host:port"`, chief first."""
+        return {
+            f"{kind}:{i}": address
+            for kind in TRAINING_TASK_TYPES
+            for i, address in enumerate(self.cluster.get(kind, ()))
+        }
+
+
+LOCAL = ClusterInfo(cluster={})
+
+
+def parse_tf_config(text):
+    """Parses and validates a `TF_CONFIG` string.
+
+    Args:
+        text: String, the JSON value of `TF_CONFIG`.
+
+    Returns:
+        `ClusterInfo` with `source="TF_CONFIG"`.
+
+    Raises:
+        ValueError: The JSON is malformed; `cluster` or `task` is missing or of
+            the wrong type; a task type is unknown or unsupported (`ps`,
+            `master`, a second `chief`); an address is not `host:port`; two
+            tasks share an address; or the task's type or index is not in the
+            cluster. Each message shows what was received and how to fix it.
+
+    Example:
+    >>> info = parse_tf_config('{"cluster": {"worker": ["a:1", "b:2"]}, '
+    ...                        '"task": {"type": "worker", "index": 1}}')
+    >>> info.num_workers, info.task_name, info.is_chief
+    (2, 'worker:1', False)
+    """
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        _fail(f"`TF_CONFIG` is not valid JSON ({e}).", text)
+    if not isinstance(config, dict):
+        _fail(f"`TF_CONFIG` must be a JSON object, not a {type(config).__name__}.", text)
+    unknown = sorted(set(config) - set(_TOP_LEVEL_KEYS))
+    if unknown:
+        _fail(f"`TF_CONFIG` has unknown key(s) {unknown}; expected {list(_TOP_LEVEL_KEYS[:2])}.", text)
+    cluster = _validate_cluster(config.get("cluster"), text)
+    task_type, task_id = _validate_task(config.get("task"), cluster, text)
+    return ClusterInfo(cluster=cluster, task_type=task_type, task_id=task_id, source="TF_CONFIG")
+
+
+def cluster_from_environment(environ=None):
+    """Returns this process's `ClusterInfo` from `TF_CONFIG`, else SLURM, else `LOCAL`.
+
+    `TF_CONFIG` wins when set. A SLURM job step with more than one task
+    (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_STEP_NODELIST`,
+    `SLURM_STEP_TASKS_PER_NODE`) is read with TensorFlow's
+    `tf.distribute.cluster_resolver.SlurmClusterResolver`; ports start at
+    `KERAS_DIST_SLURM_PORT_BASE` (default 8888) on every node.
+
+    Args:
+        environ: Mapping of environment variables. Defaults to `os.environ`
+            (SLURM is only read from `os.environ`).
+
+    Returns:
+        `ClusterInfo`.
+
+    Raises:
+        ValueError: `TF_CONFIG` is set but invalid (see `parse_tf_config`).
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get("TF_CONFIG", "").strip()
+    if raw:
+        return parse_tf_config(raw)
+    if environ is os.environ and _slurm_num_tasks(environ) > 1:
+        return _cluster_from_slurm(environ)
+    return LOCAL
+
+
+def _validate_cluster(cluster, text):
+    if not isinstance(cluster, dict) or not cluster:
+        _fail(
+            "`TF_CONFIG` needs a non-empty `cluster` object mapping task types to address lists.",
+            text,
+        )
+    for kind, addresses in cluster.items():
+        if kind == "master":
+            _fail("Task type `master` is TensorFlow 1's name; TensorFlow 2 calls it `chief`.", text)
+        if kind == "ps":
+            _fail(
+                "keras-dist trains with MultiWorkerMirroredStrategy, which has no parameter "
+                "servers (Keras 3 `fit` does not support ParameterServerStrategy, "
+                "keras-team/keras#18624); remove the `ps` tasks.",
+                text,
+            )
+        if kind not in TRAINING_TASK_TYPES + _OTHER_TASK_TYPES:
+            _fail(f"Unknown task type {kind!r} in `cluster`; expected `chief` and/or `worker`.", text)
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            _fail(f"`cluster.{kind}` must be a list of \"host:port\" strings.", text)
+        for address in addresses:
+            match = _ADDRESS.match(address)
+            if not match or not 1 <= int(match.group(2)) <= 65535:
+                _fail(
+                    f"Address {address!r} of `cluster.{kind}` is not \"host:port\" with a port "
+                    "from 1 to 65535.",
+                    text,
+                )
+    if len(cluster.get("chief", [])) > 1:
+        _fail(f"A cluster has at most one `chief`; got {len(cluster['chief'])}.", text)
+    if not any(cluster.get(kind) for kind in TRAINING_TASK_TYPES):
+        _fail("`cluster` lists no `chief` or `worker` task, so nobody trains.", text)
+    seen = {}
+    for kind, addresses in cluster.items():
+        for i, address in enumerate(addresses):
+            if address in seen:
+                _fail(f"Tasks {seen[address]} and {kind}:{i} share the address {address!r}.", text)
+            seen[address] = f"{kind}:{i}"
+    return {kind: tuple(addresses) for kind, addresses in cluster.items()}
+
+
+def _validate_task(task, cluster, text):
+    num_tasks = sum(len(v) for v in cluster.values())
+    if task is None and num_tasks == 1:
+        return next((kind, 0) for kind, v in cluster.items() if v)
+    if not isinstance(task, dict) or "type" not in task or "index" not in task:
+        _fail('`TF_CONFIG` needs `"task": {"type": ..., "index": ...}` naming this process.', text)
+    task_type, task_id = task["type"], task["index"]
+    if task_type not in cluster:
+        _fail(f"`task.type` {task_type!r} is not a task type of `cluster` ({sorted(cluster)}).", text)
+    if task_type in _OTHER_TASK_TYPES:
+        _fail(
+            f"This process is task {task_type!r}; keras-dist runs only `chief` and `worker` "
+            "tasks (side-car evaluation is not supported). Run evaluation inside `fit` "
+            "(`validation_data=`) or start this process without that TF_CONFIG.",
+            text,
+        )
+    if isinstance(task_id, bool) or not isinstance(task_id, int):
+        _fail(f"`task.index` must be an integer; got {task_id!r}.", text)
+    if not 0 <= task_id < len(cluster[task_type]):
+        _fail(
+            f"`task.index` {task_id} is out of range: `cluster.{task_type}` has "
+            f"{len(cluster[task_type])} task(s), so the index must be 0 to {len(cluster[task_type]) - 1}.",
+            text,
+        )
+    return task_type, task_id
+
+
+def _fail(problem, text):
+    raise ValueError(
+        f"Invalid TF_CONFIG: {problem} Received: TF_CONFIG={text[:300]!r}. Expected a JSON object like "
+        f"{_TF_CONFIG_EXAMPLE}. Fix: correct TF_CONFIG (or unset it to train on this machine "
+        "only); `keras-dist launch` writes a valid one for local runs. See docs/troubleshooting.md#tf_config."
+    )
+
+
+def _slurm_num_tasks(environ):
+    if "SLURM_PROCID" not in environ:
+        return 0
+    value = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "1"
+    return int(value) if value.isdigit() else 0
+
+
+def _cluster_from_slurm(environ):
+    num_gpus = len(devices.gpu_names())
+    port_base = int(environ.get(SLURM_PORT_BASE_ENV, "8888"))
+    if num_gpus:
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+            port_base=port_base, gpus_per_node=num_gpus
+        )
+    else:
+        # TF's resolver asks nvidia-smi and divides GPUs among tasks; CPU nodes have none.
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+            port_base=port_base, gpus_per_node=1024, gpus_per_task=1, auto_set_gpu=False
+        )
+    spec = resolver.cluster_spec().as_dict()
+    task_type, task_id = resolver.get_task_info()
+    text = json.dumps({"cluster": spec, "task": {"type": task_type, "index": task_id}})
+    return dataclasses.replace(parse_tf_config(text), source="SLURM")
+
+
+_TASK_IN_MESSAGE = re.compile(r"/job:(chief|worker)/(?:replica:\d+/)?task:(\d+)")
+
+
+def tasks_named_in(message, info):
+    """Returns the other tasks a TensorFlow error message names, as `"worker:1"`, in order.
+
+    Args:
+        message: String, the text of a TensorFlow error.
+        info: `ClusterInfo` of this process (its own task is left out).
+    """
+    names = []
+    for kind, index in _TASK_IN_MESSAGE.findall(message):
+        name = f"{kind}:{int(index)}"
+        if name != info.task_name and name not in names and name in info.addresses():
+            names.append(name)
+    return names
+
+
+def peer_failure_message(info, error_text, *, missing, during, timeout_seconds, timeout_variable):
+    """Returns the message of a `WorkerUnavailableError`.
+
+    Args:
+        info: `ClusterInfo` of this process.
+        error_text: String, TensorFlow's error message (its first line is quoted).
+        missing: List of task names (`"worker:1"`) that did not answer.
+        during: String, `"startup"` (joining the cluster), `"training"` or `"collective"`.
+        timeout_seconds: Float, the timeout that expired, in seconds.
+        timeout_variable: String, the environment variable that sets it.
+
+    Example:
+    >>> info = parse_tf_config('{"cluster": {"worker": ["h:1", "h:2"]}, '
+    ...                        '"task": {"type": "worker", "index": 0}}')
+    >>> peer_failure_message(info, "boom", missing=["worker:1"], during="startup",
+    ...                      timeout_seconds=5, timeout_variable="X")[:60]
+    '[worker:0] worker:1 (h:2) did not join the cluster within 5 s'
+    """
+    addresses = info.addresses()
+    who = ", ".join(f"{name} ({addresses[name]})" for name in missing) or (
+        "another worker (TensorFlow did not say which)"
+    )
+    first_line = next((line.strip() for line in error_text.splitlines() if line.strip()), "")
+    if during == "startup":
+        what = f"did not join the cluster within {timeout_seconds:g} s ({timeout_variable})"
+        fix = (
+            "start every worker listed in the cluster (`keras-dist launch` starts them all), check "
+            f"that their addresses are reachable from this machine, or raise {timeout_variable}"
+        )
+    elif during == "collective":
+        what = f"did not take part in a collective within {timeout_seconds:g} s ({timeout_variable})"
+        fix = (
+            "read that worker's log: every worker must run the same steps (same number of batches "
+            f"and the same calls to fit/evaluate/predict), or raise {timeout_variable}"
+        )
+    else:
+        what = (
+            f"stopped answering or crashed (no heartbeat for {timeout_seconds:g} s, {timeout_variable})"
+        )
+        fix = (
+            "read the log of that worker for why it stopped, then restart all workers "
+            "(keras.callbacks.BackupAndRestore resumes from the last finished epoch)"
+        )
+    return (
+        f"[{info.task_name}] {who} {what}. Received from TensorFlow: {first_line[:300]} "
+        f"Fix: {fix}. See docs/troubleshooting.md#worker-unavailable."
+    )
+
+
+_TIMEOUT_VARIABLES = {
+    "startup": ("startup_timeout_seconds", "KERAS_DIST_STARTUP_TIMEOUT"),
+    "training": ("heartbeat_timeout_seconds", "KERAS_DIST_HEARTBEAT_TIMEOUT"),
+    "collective": ("collective_timeout_seconds", "KERAS_DIST_COLLECTIVE_TIMEOUT"),
+}
+
+
+def worker_unavailable_error(info, error_text, *, during, timeouts):
+    """Returns a `WorkerUnavailableError` naming the workers that did not answer.
+
+    The workers are those TensorFlow's message names; when it names none, those
+    whose address refuses a TCP connection now.
+
+    Args:
+        info: `ClusterInfo` of this process.
+        error_text: String, TensorFlow's error message.
+        during: String, `"startup"`, `"training"` (heartbeats stopped) or
+            `"collective"` (a collective timed out).
+        timeouts: Dict of timeouts in seconds, as `timeouts_from_environment` returns.
+    """
+    missing = tasks_named_in(error_text, info)
+    if not missing:
+        peers = {name: a for name, a in info.addresses().items() if name != info.task_name}
+        down = set(multi_worker.unreachable_addresses(peers.values()))
+        missing = [name for name, address in peers.items() if address in down]
+    key, variable = _TIMEOUT_VARIABLES[during]
+    message = peer_failure_message(
+        info,
+        error_text,
+        missing=missing,
+        during=during,
+        timeout_seconds=timeouts[key],
+        timeout_variable=variable,
+    )
+    return errors.WorkerUnavailableError(message, missing)
+
+
+def task_type():
+    """Returns this process's task type: `"chief"` or `"worker"` (`"worker"` without a cluster).
+
+    Raises:
+        ValueError: `TF_CONFIG` is set but invalid (see `parse_tf_config`).
+    """
+    return cluster_from_environment().task_type
+
+
+def task_id():
+    """Returns this process's index among the tasks of its type (0 without a cluster).
+
+    Raises:
+        ValueError: `TF_CONFIG` is set but invalid (see `parse_tf_config`).
+    """
+    return cluster_from_environment().task_id
+
+
+def num_workers():
+    """Returns the number of processes that train (`chief` and `worker` tasks; 1 without a cluster).
+
+    Raises:
+        ValueError: `TF_CONFIG` is set but invalid (see `parse_tf_config`).
+    """
+    return cluster_from_environment().num_workers

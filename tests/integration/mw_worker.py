@@ -1,0 +1,55 @@
+"""Worker script for the multi-worker tests, started by `keras-dist launch`.
+
+Usage: mw_worker.py OUT_DIR [--die-at-batch N --die-task-id I]
+Writes OUT_DIR/<task_type>-<task_id>.json with what this worker saw.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import keras_dist  # keras_dist: joins the cluster before TensorFlow runs anything.
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+class _DieAtBatch:
+    """Returns a Keras callback that SIGKILLs this worker at one training batch."""
+
+    def __new__(cls, batch):
+        import keras
+
+        class DieAtBatch(keras.callbacks.Callback):
+            def on_train_batch_begin(self, index, logs=None):
+                if index == batch:
+                    print(f"killing myself at batch {index}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        return DieAtBatch()
+
+
+def main(argv):
+    import mw_workload
+
+    out_dir = argv[0]
+    options = dict(zip(argv[1::2], argv[2::2]))
+    info = keras_dist.cluster_info()
+    model = mw_workload.build(keras_dist.DistributedModel)
+    if "--die-at-batch" in options:
+        x, y = mw_workload.data(400, seed=3)
+        callbacks = []
+        if info.task_id == int(options["--die-task-id"]):
+            callbacks = [_DieAtBatch(int(options["--die-at-batch"]))]
+        model.fit(x, y, batch_size=4, epochs=1000, callbacks=callbacks, verbose=0)
+        return
+    results = mw_workload.run(model)
+    results["num_replicas_in_sync"] = model.distribute_strategy.num_replicas_in_sync
+    results["is_chief"] = keras_dist.is_chief()
+    with open(os.path.join(out_dir, f"{info.task_type}-{info.task_id}.json"), "w") as f:
+        json.dump(results, f)
+    print("done", info.task_name, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

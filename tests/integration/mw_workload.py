@@ -1,0 +1,62 @@
+"""The training run the multi-worker tests compare with single-device Keras.
+
+Imported by `mw_worker.py` (in each worker process, after `import keras_dist`)
+and by `test_multi_worker.py` (single-device reference, in the pytest process).
+Uneven on purpose: 37 training examples in global batches of 8 (last batch 5),
+13 validation examples, 11 rows to predict.
+"""
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+GLOBAL_BATCH_SIZE = 8
+
+
+class ExampleCount(keras.metrics.Sum):
+    """Counts the examples a metric sees (each must be counted once)."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        return super().update_state(tf.ones_like(y_true[:, 0]))
+
+
+def data(num_examples, seed):
+    rs = np.random.RandomState(seed)
+    x = rs.rand(num_examples, 4).astype("float32")
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32") + 0.3 * rs.rand(num_examples, 1)).astype("float32")
+    return x, y
+
+
+def build(model_class, **kwargs):
+    """Returns a compiled model with fixed initial weights; `model_class` is keras.Model or DistributedModel."""
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+    rs = np.random.RandomState(42)
+    model.set_weights([rs.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss="mse",
+        metrics=["mae", ExampleCount(name="count")],
+    )
+    return model
+
+
+def run(model):
+    """Trains, evaluates and predicts; returns everything as JSON-ready lists."""
+    x, y = data(37, seed=0)
+    x_val, y_val = data(13, seed=1)
+    x_pred, _ = data(11, seed=2)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH_SIZE)
+    history = model.fit(train, epochs=2, validation_data=(x_val, y_val), verbose=0)
+    # NumPy input, not shuffled, batch split across workers by keras-dist/TF.
+    history_np = model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
+    evaluation = model.evaluate(x_val, y_val, batch_size=4, return_dict=True, verbose=0)
+    predictions = model.predict(x_pred, batch_size=4, verbose=0)
+    return {
+        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+        "history_numpy": {k: [float(v) for v in vs] for k, vs in history_np.history.items()},
+        "evaluate": {k: float(v) for k, v in evaluation.items()},
+        "predictions": predictions.tolist(),
+        "weights": [w.tolist() for w in model.get_weights()],
+    }
