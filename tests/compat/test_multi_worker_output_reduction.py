@@ -1,0 +1,49 @@
+"""shared/cases/01 and 02: Keras `fit` under MultiWorkerMirroredStrategy with 2 workers.
+
+Case 01 (the pre-fit symbolic build reduces a per-replica batch) is prevented by
+`symbolic_build_from_spec`; case 02 (scalar step outputs reduced with `axis=0`)
+by `multi_worker_output_reduction`. With both fixes, the same worker script
+matches single-device training (tests/integration/test_multi_worker.py).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
+
+WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "integration", "mw_worker.py")
+ENV = {
+    **{k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS")},
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+    "KERAS_DIST_QUIET": "1",
+}
+
+
+def _launch(tmp_path, disabled_fixes):
+    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", WORKER, str(tmp_path)]
+    env = {**ENV, "KERAS_DIST_DISABLE_FIXES": disabled_fixes}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "fix, symptom",
+    [
+        ("symbolic_build_from_spec", "PerReplica'>) to a Tensor"),  # case 01
+        ("multi_worker_output_reduction", "Invalid reduction dimension 0 for input with 0 dimensions"),  # case 02
+    ],
+)
+def test_without_fix_keras_fit_fails(tmp_path, fix, symptom):
+    result = _launch(tmp_path, fix)
+    assert result.returncode != 0
+    assert symptom in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_with_fix_both_workers_train(tmp_path):
+    result = _launch(tmp_path, "")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-0.json", "worker-1.json"]

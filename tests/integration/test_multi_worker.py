@@ -1,0 +1,176 @@
+"""Multi-worker training on loopback: numerics against single-device Keras, and faults.
+
+Real worker processes (TensorFlow's gRPC runtime, `MultiWorkerMirroredStrategy`),
+started through `keras-dist launch` or, for fault injection where the launcher
+would stop the survivors itself, directly with the launcher's own TF_CONFIG
+builders. Every test has a timeout and leaves no process behind.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from keras_dist.cli.launch import build_cluster_spec, build_worker_env, find_free_ports
+
+import mw_workload
+
+pytestmark = pytest.mark.multi_worker
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "mw_worker.py")
+ENV = {
+    **{
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS") and not k.endswith("_TIMEOUT")
+    },
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+    "KERAS_DIST_QUIET": "1",
+}
+
+
+def _launch(options, script_args, timeout, env=None):
+    command = [sys.executable, "-m", "keras_dist.cli", "launch", *options, WORKER, *script_args]
+    return subprocess.run(command, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def single_device_results():
+    return mw_workload.run(mw_workload.build(keras.Model))
+
+
+def _assert_matches(reference, got):
+    for key in ("history", "history_numpy", "evaluate"):
+        assert sorted(got[key]) == sorted(reference[key])
+        for name, expected in reference[key].items():
+            np.testing.assert_allclose(got[key][name], expected, rtol=1e-5, atol=1e-5, err_msg=f"{key}.{name}")
+    np.testing.assert_allclose(got["predictions"], reference["predictions"], rtol=1e-5, atol=1e-5)
+    for w_got, w_ref in zip(got["weights"], reference["weights"], strict=True):
+        np.testing.assert_allclose(w_got, w_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("cpu_replicas", [1, 2], ids=["multi_worker_2x1_cpu", "multi_worker_2x2_cpu"])
+def test_two_workers_match_single_device(tmp_path, single_device_results, cpu_replicas):
+    result = _launch(["--num-workers", "2", "--cpu-replicas", str(cpu_replicas)], [str(tmp_path)], timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    outputs = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(2)]
+    assert [o["num_replicas_in_sync"] for o in outputs] == [2 * cpu_replicas] * 2
+    assert [o["is_chief"] for o in outputs] == [True, False]
+    # 37 training and 13 validation examples, each counted once per epoch.
+    assert outputs[0]["history"]["count"] == [37.0, 37.0]
+    assert outputs[0]["history"]["val_count"] == [13.0, 13.0]
+    assert outputs[0]["evaluate"]["count"] == 13.0
+    assert len(outputs[0]["predictions"]) == 11
+    for got in outputs:
+        _assert_matches(single_device_results, got)
+
+
+def _start_workers(tmp_path, num_workers, task_ids, script_args, env):
+    cluster = build_cluster_spec(ports=find_free_ports(num_workers))
+    processes = {}
+    for task_id in task_ids:
+        worker_env = build_worker_env({**ENV, **env}, cluster_spec=cluster, task_id=task_id)
+        log = open(tmp_path / f"worker-{task_id}.log", "w")
+        processes[task_id] = (
+            subprocess.Popen([sys.executable, WORKER, *script_args], env=worker_env, stdout=log, stderr=subprocess.STDOUT),
+            log,
+        )
+    return processes
+
+
+def _wait_all(processes, timeout):
+    deadline = time.monotonic() + timeout
+    try:
+        return {
+            task_id: process.wait(timeout=max(deadline - time.monotonic(), 1))
+            for task_id, (process, _) in processes.items()
+        }
+    finally:
+        for process, log in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            log.close()
+
+
+@pytest.mark.timeout(120)
+def test_worker_killed_mid_epoch_fails_the_others_naming_it(tmp_path):
+    processes = _start_workers(
+        tmp_path,
+        2,
+        [0, 1],
+        [str(tmp_path), "--die-at-batch", "5", "--die-task-id", "1"],
+        {"KERAS_DIST_HEARTBEAT_TIMEOUT": "5"},
+    )
+    start = time.monotonic()
+    returncodes = _wait_all(processes, timeout=100)
+    elapsed = time.monotonic() - start
+    log = (tmp_path / "worker-0.log").read_text()
+    assert returncodes[1] == -9
+    assert returncodes[0] == 1, log[-3000:]
+    assert "WorkerUnavailableError: [worker:0] worker:1 (127.0.0.1:" in log, log[-3000:]
+    assert "stopped answering or crashed" in log
+    assert elapsed < 90
+
+
+@pytest.mark.timeout(120)
+def test_worker_never_started_fails_the_others_naming_it(tmp_path):
+    processes = _start_workers(tmp_path, 2, [0], [str(tmp_path)], {"KERAS_DIST_STARTUP_TIMEOUT": "5"})
+    returncodes = _wait_all(processes, timeout=100)
+    log = (tmp_path / "worker-0.log").read_text()
+    assert returncodes[0] == 1, log[-3000:]
+    assert "WorkerUnavailableError: [worker:0] worker:1 (127.0.0.1:" in log, log[-3000:]
+    assert "did not join the cluster within 5 s (KERAS_DIST_STARTUP_TIMEOUT)" in log
+
+
+@pytest.mark.timeout(120)
+def test_launcher_stops_survivors_when_a_worker_is_killed(tmp_path):
+    result = _launch(
+        ["--num-workers", "2", "--grace-period", "2"],
+        [str(tmp_path), "--die-at-batch", "5", "--die-task-id", "1"],
+        timeout=110,
+    )
+    assert result.returncode == 137, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "worker 1 was killed by SIGKILL" in result.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "tf_config, match",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}', "share the address"),
+        ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 2}}', "out of range"),
+    ],
+    ids=["bad_json", "duplicate_address", "index_out_of_range"],
+)
+def test_bad_tf_config_fails_at_import_before_any_server(tf_config, match):
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", "import keras_dist"],
+        env={**ENV, "TF_CONFIG": tf_config},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert result.returncode == 1
+    assert "Invalid TF_CONFIG" in result.stderr and match in result.stderr, result.stderr[-2000:]
+    assert "Started server" not in result.stderr
+    assert time.monotonic() - start < 50
+
+
+@pytest.mark.timeout(60)
+def test_tensorflow_op_before_import_says_what_to_move():
+    cluster = build_cluster_spec(ports=find_free_ports(2))
+    env = build_worker_env(ENV, cluster_spec=cluster, task_id=0)
+    code = "import tensorflow as tf\ntf.constant(1.0) + 1\nimport keras_dist\n"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 1
+    assert "put `import keras_dist` at the top of the script" in result.stderr, result.stderr[-2000:]
