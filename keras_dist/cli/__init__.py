@@ -12,10 +12,10 @@ and with it TensorFlow.
 
 import argparse
 
-from keras_dist.cli import launch
+from keras_dist.cli import env, launch
 from keras_dist.version import __version__
 
-_COMMAND_MODULES = (launch,)
+_COMMAND_MODULES = (env, launch)
 
 
 def main(argv=None):

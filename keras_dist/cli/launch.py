@@ -29,6 +29,7 @@ DEFAULT_NUM_WORKERS = 2
 DEFAULT_GRACE_PERIOD = 10.0
 CPU_REPLICAS_ENV = "KERAS_DIST_CPU_REPLICAS"
 STARTUP_TIMEOUT_ENV = "KERAS_DIST_STARTUP_TIMEOUT"
+HEARTBEAT_TIMEOUT_ENV = "KERAS_DIST_HEARTBEAT_TIMEOUT"
 COLLECTIVE_TIMEOUT_ENV = "KERAS_DIST_COLLECTIVE_TIMEOUT"
 _INHERITED_ENV_TO_DROP = ("TF_CONFIG", CPU_REPLICAS_ENV)
 
@@ -160,7 +161,14 @@ def build_tf_config(cluster_spec, task_type, task_id):
 
 
 def build_worker_env(
-    base_env, *, cluster_spec, task_id, cpu_replicas=None, startup_timeout=None, collective_timeout=None
+    base_env,
+    *,
+    cluster_spec,
+    task_id,
+    cpu_replicas=None,
+    startup_timeout=None,
+    heartbeat_timeout=None,
+    collective_timeout=None,
 ):
     """Returns the environment of worker `task_id`: a copy of `base_env` plus its settings.
 
@@ -174,6 +182,8 @@ def build_worker_env(
         cpu_replicas: Integer >= 1, simulated CPU replicas per worker
             (`KERAS_DIST_CPU_REPLICAS`). Defaults to `None` (not set).
         startup_timeout: Float > 0, in seconds (`KERAS_DIST_STARTUP_TIMEOUT`).
+            Defaults to `None` (not set).
+        heartbeat_timeout: Float > 0, in seconds (`KERAS_DIST_HEARTBEAT_TIMEOUT`).
             Defaults to `None` (not set).
         collective_timeout: Float > 0, in seconds (`KERAS_DIST_COLLECTIVE_TIMEOUT`).
             Defaults to `None` (not set).
@@ -199,6 +209,7 @@ def build_worker_env(
         env[CPU_REPLICAS_ENV] = str(cpu_replicas)
     for name, env_name, seconds in (
         ("startup_timeout", STARTUP_TIMEOUT_ENV, startup_timeout),
+        ("heartbeat_timeout", HEARTBEAT_TIMEOUT_ENV, heartbeat_timeout),
         ("collective_timeout", COLLECTIVE_TIMEOUT_ENV, collective_timeout),
     ):
         if seconds is not None:
@@ -258,6 +269,7 @@ def launch_command_parser(subparsers):
     add("--task-index", type=int, metavar="I", help="with --workers: the one worker this machine runs")
     add("--cpu-replicas", type=int, metavar="R", help="split each worker's CPU into R replicas")
     add("--startup-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_STARTUP_TIMEOUT")
+    add("--heartbeat-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_HEARTBEAT_TIMEOUT")
     add("--collective-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_COLLECTIVE_TIMEOUT")
     add("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD, metavar="SECONDS",
         help=f"wait after SIGTERM/SIGINT before SIGKILL (default {DEFAULT_GRACE_PERIOD:g})")
@@ -297,6 +309,7 @@ def launch_command(args):
     options = dict(
         cpu_replicas=args.cpu_replicas,
         startup_timeout=args.startup_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
         collective_timeout=args.collective_timeout,
     )
     envs = {i: build_worker_env(os.environ, cluster_spec=cluster_spec, task_id=i, **options) for i in task_ids}
@@ -350,7 +363,7 @@ def _validate_args(args):
         _check_positive_int("--num-workers", args.num_workers, fix="pass --num-workers 1 or more.")
     if args.cpu_replicas is not None:
         _check_positive_int("--cpu-replicas", args.cpu_replicas, fix="pass --cpu-replicas 1 or more.")
-    for name in ("startup_timeout", "collective_timeout"):
+    for name in ("startup_timeout", "heartbeat_timeout", "collective_timeout"):
         if getattr(args, name) is not None:
             _check_seconds("--" + name.replace("_", "-"), getattr(args, name))
     _check_seconds("--grace-period", args.grace_period, allow_zero=True)

@@ -274,7 +274,7 @@ def peer_failure_message(info, error_text, *, missing, during, timeout_seconds, 
     >>> info = parse_tf_config('{"cluster": {"worker": ["h:1", "h:2"]}, '
     ...                        '"task": {"type": "worker", "index": 0}}')
     >>> peer_failure_message(info, "boom", missing=["worker:1"], during="startup",
-    ...                      timeout_seconds=5, timeout_variable="X")[:60]
+    ...                      timeout_seconds=5, timeout_variable="X")[:61]
     '[worker:0] worker:1 (h:2) did not join the cluster within 5 s'
     """
     addresses = info.addresses()
