@@ -44,8 +44,9 @@ import os
 import sys
 import time
 
-# keras_dist: importing it sets KERAS_BACKEND=tensorflow (if unset) and applies
-# KERAS_DIST_CPU_REPLICAS when that environment variable is set.
+# keras_dist: importing it sets KERAS_BACKEND=tensorflow (if unset), applies
+# KERAS_DIST_CPU_REPLICAS when that environment variable is set, and, when
+# TF_CONFIG describes several workers (`keras-dist launch`), joins the cluster.
 import keras_dist
 
 import keras
@@ -70,10 +71,13 @@ started = time.perf_counter()
 # keras_dist: with no GPU, split the CPU into replicas so training is really
 # distributed. This must run before the first TensorFlow op. An explicit
 # KERAS_DIST_CPU_REPLICAS was already applied by `import keras_dist`, so it wins.
+# Under `keras-dist launch` (several workers) `import keras_dist` has already
+# joined the cluster; replicas per worker then come from `--cpu-replicas` there.
 if (
     not tf.config.list_physical_devices("GPU")
     and args.cpu_replicas > 1
     and not os.environ.get("KERAS_DIST_CPU_REPLICAS")
+    and keras_dist.num_workers() == 1
 ):
     keras_dist.simulate_cpu_replicas(args.cpu_replicas)
 

@@ -174,3 +174,18 @@ def test_tensorflow_op_before_import_says_what_to_move():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
     assert result.returncode == 1
     assert "put `import keras_dist` at the top of the script" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.timeout(150)
+def test_main_example_runs_unchanged_on_two_workers():
+    example = os.path.join(HERE, os.pardir, os.pardir, "examples", "digits_cnn.py")
+    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", example, "--smoke"]
+    env = {k: v for k, v in ENV.items() if k != "KERAS_DIST_QUIET"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines.count("[worker:0] keras-dist plan") == 1 and "[worker:1] keras-dist plan" not in lines
+    assert "[worker:0]   workers:              2 (this is worker:0)" in lines
+    assert not any(line.startswith("[worker:1] Epoch") for line in lines)  # progress on the chief only
+    accuracies = [line.split(": ")[-1] for line in lines if "test accuracy:" in line]
+    assert len(accuracies) == 2 and accuracies[0] == accuracies[1]
