@@ -88,7 +88,7 @@ def create_strategy(
         Collective: every worker must call this once; it blocks until all have.
     """
     cluster_spec = multi_worker_util.normalize_cluster_spec(cluster_resolver.cluster_spec())
-    if context.context().coordination_service is None:
+    if cluster_spec.jobs and context.context().coordination_service is None:
         jobs = [
             coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
             for job in ("chief", "worker")

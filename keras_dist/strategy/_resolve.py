@@ -1,5 +1,6 @@
 """Resolve `strategy=` (an instance or a name) to one `tf.distribute.Strategy` per process."""
 
+import math
 import os
 import sys
 
@@ -187,7 +188,7 @@ def timeouts_from_environment(environ=None):
             value = float(raw) if raw else default
         except ValueError:
             value = None
-        if value is None or value < minimum or (minimum == 0 and value < 0) or value != value:
+        if value is None or not math.isfinite(value) or value < minimum:
             raise ValueError(
                 f"`{var}` must be a number of seconds{' > 0' if minimum else ' >= 0'}. "
                 f"Received: {var}={raw!r}. Fix: set it to e.g. {default:g}, or unset it."

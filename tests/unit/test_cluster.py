@@ -165,6 +165,7 @@ def test_timeouts_defaults_and_overrides():
         ("KERAS_DIST_HEARTBEAT_TIMEOUT", "0.5", "> 0"),
         ("KERAS_DIST_COLLECTIVE_TIMEOUT", "-1", ">= 0"),
         ("KERAS_DIST_COLLECTIVE_TIMEOUT", "nan", ">= 0"),
+        ("KERAS_DIST_STARTUP_TIMEOUT", "inf", "> 0"),
     ],
 )
 def test_bad_timeouts_are_refused(name, value, match):

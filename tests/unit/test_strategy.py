@@ -62,9 +62,10 @@ def test_unsupported_strategies_are_refused_up_front(cls):
 
 def test_malformed_tf_config_is_refused(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", "{cluster: nope")
-    with pytest.raises(ValueError, match="`TF_CONFIG` must be a JSON object.*Received: TF_CONFIG='\\{cluster: nope'"):
+    with pytest.raises(ValueError, match="Invalid TF_CONFIG.*Received: TF_CONFIG='\\{cluster: nope'"):
         _resolve._num_cluster_tasks()
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:1", "c:1"]}}))
+    cluster = {"chief": ["a:1"], "worker": ["b:1", "c:1"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}}))
     assert _resolve._num_cluster_tasks() == 3
 
 
