@@ -1,0 +1,32 @@
+"""The public surface, compared with a committed list so every API change shows in review."""
+
+import keras_dist
+from keras_dist import errors, strategy
+
+PUBLIC = {
+    "keras_dist": [
+        "ClusterInfo", "DistributedModel", "Plan", "__version__", "cluster_info", "describe",
+        "distribute", "is_chief", "num_workers", "resolve_strategy", "simulate_cpu_replicas",
+        "task_id", "task_type",
+    ],
+    "keras_dist.strategy": [
+        "ClusterInfo", "Plan", "STRATEGY_NAMES", "choose_strategy_name", "cluster_info", "describe",
+        "is_chief", "num_workers", "parse_tf_config", "resolve_strategy", "task_id", "task_type",
+    ],
+}
+
+
+def test_all_matches_the_committed_list():
+    for module in (keras_dist, strategy):
+        assert sorted(module.__all__) == sorted(PUBLIC[module.__name__]), module.__name__
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_public_callables_have_docstrings():
+    for module in (keras_dist, strategy):
+        for name in module.__all__:
+            value = getattr(module, name)
+            if callable(value):
+                assert (value.__doc__ or "").strip(), f"{module.__name__}.{name} has no docstring"
+    assert errors.WorkerUnavailableError.__doc__
