@@ -9,6 +9,7 @@ What happens on each worker: every worker calls `create_strategy` once, at
 program start; it returns when all workers listed in the cluster have joined.
 """
 
+import random
 import socket
 
 import tensorflow as tf
@@ -125,3 +126,36 @@ def unreachable_addresses(addresses, *, timeout_seconds=2.0):
         except OSError:
             unreachable.append(address)
     return unreachable
+
+
+def share_random_seed(strategy):
+    """Seeds Python, NumPy, TensorFlow and Keras on every worker with one seed drawn on the chief.
+
+    Unseeded shuffles (Keras' NumPy-input shuffle, `tf.data` `shuffle` without
+    `seed=`, `PyDataset` batch order) and unseeded random data must agree
+    across workers, or TensorFlow's per-worker sharding of the data drops some
+    examples and repeats others. A later `keras.utils.set_random_seed(s)` with
+    the same `s` on every worker keeps them in agreement too.
+
+    Args:
+        strategy: The multi-worker `tf.distribute.Strategy`.
+
+    Returns:
+        Integer, the seed now set on every worker.
+
+    Distributed behavior:
+        Collective: every worker must call it once, at the same point.
+    """
+    import keras
+
+    drawn = random.SystemRandom().randrange(1, 2**31 - 1)
+
+    def replica_fn():
+        context = tf.distribute.get_replica_context()
+        is_first = tf.equal(context.replica_id_in_sync_group, 0)
+        mine = tf.where(is_first, tf.constant(drawn, tf.int64), tf.constant(0, tf.int64))
+        return context.all_reduce("SUM", mine)
+
+    shared = int(strategy.experimental_local_results(strategy.run(replica_fn))[0].numpy())
+    keras.utils.set_random_seed(shared)
+    return shared

@@ -247,8 +247,11 @@ def join_cluster_at_import(argv0=None, environ=None):
     TensorFlow accepts `MultiWorkerMirroredStrategy` only before its first
     operation, so `import keras_dist` joins the cluster (`TF_CONFIG` or SLURM
     with more than one training task) at once; the script may then build data,
-    reference models and DistributedModels in any order. Skipped in the
-    `keras-dist` command itself and when `KERAS_DIST_JOIN_AT_IMPORT=0`.
+    reference models and DistributedModels in any order. Then Python, NumPy,
+    TensorFlow and Keras are seeded with one seed shared by all workers (drawn
+    on the chief), so unseeded shuffles agree and every example is seen once
+    per epoch. Skipped in the `keras-dist` command itself and when
+    `KERAS_DIST_JOIN_AT_IMPORT=0`.
 
     Args:
         argv0: String, the program name (defaults to `sys.argv[0]`).
@@ -275,4 +278,6 @@ def join_cluster_at_import(argv0=None, environ=None):
     timeouts_from_environment(environ)
     if info.source == "local" or info.num_workers < 2:
         return None
-    return resolve_strategy("multi_worker")
+    strategy = resolve_strategy("multi_worker")
+    multi_worker.share_random_seed(strategy)
+    return strategy

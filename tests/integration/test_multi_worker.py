@@ -189,3 +189,43 @@ def test_main_example_runs_unchanged_on_two_workers():
     assert not any(line.startswith("[worker:1] Epoch") for line in lines)  # progress on the chief only
     accuracies = [line.split(": ")[-1] for line in lines if "test accuracy:" in line]
     assert len(accuracies) == 2 and accuracies[0] == accuracies[1]
+
+
+SEEN_IDS_SCRIPT = """
+import sys
+import keras_dist
+import keras, numpy as np, tensorflow as tf
+
+path = f"{sys.argv[1]}/seen-{keras_dist.task_id()}.txt"
+ids = np.arange(96, dtype="float32")[:, None]
+
+
+class RecordIds(keras.layers.Layer):
+    def call(self, x, training=None):
+        if training:
+            tf.print(tf.cast(x[:, 0], tf.int32), output_stream="file://" + path, summarize=-1)
+        return x
+
+
+inputs = keras.Input((1,))
+model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(RecordIds()(inputs)))
+model.compile("sgd", "mse")
+model.fit(ids, np.zeros_like(ids), batch_size=16, epochs=2, verbose=0)  # shuffle=True, no seed
+"""
+
+
+@pytest.mark.timeout(120)
+def test_unseeded_numpy_shuffle_sees_every_example_once_per_epoch(tmp_path):
+    script = tmp_path / "seen_ids.py"
+    script.write_text(SEEN_IDS_SCRIPT)
+    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", str(script), str(tmp_path)]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = {
+        i: [[int(v) for v in line.strip("[]\n").split()] for line in open(tmp_path / f"seen-{i}.txt") if line.strip()]
+        for i in range(2)
+    }
+    assert [len(r) for r in rows.values()] == [12, 12]  # 6 steps x 2 epochs on each worker
+    for epoch in range(2):
+        seen = sorted(i for r in rows.values() for batch in r[6 * epoch : 6 * (epoch + 1)] for i in batch)
+        assert seen == list(range(96)), f"epoch {epoch}"
