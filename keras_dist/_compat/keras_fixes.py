@@ -160,6 +160,18 @@ FIXES = {
             "axis of size 1, so Keras' axis-0 mean is exactly the mean over replicas.",
             remove_when=_OPEN,
         ),
+        Fix(
+            name="sigterm_default_action",
+            package="tensorflow",
+            affected=">=2.0",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/third_party/xla/xla/tsl/distributed_runtime/preemption/preemption_notifier.cc (SigtermNotifier)",
+            symptom="Once a worker joins a multi-worker cluster, TensorFlow's preemption notifier catches "
+            "SIGTERM and the process keeps training, so `kill`, Kubernetes and SLURM cannot stop it "
+            "gracefully and the launcher must wait for its grace period and SIGKILL.",
+            remedy="After joining, SIGTERM gets its default action back (terminate) unless the script "
+            "installed its own Python handler.",
+            remove_when=_OPEN,
+        ),
     ]
 }
 

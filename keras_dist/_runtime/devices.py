@@ -79,7 +79,7 @@ def _split_cpu(num_replicas):
             cpu, [tf.config.LogicalDeviceConfiguration()] * num_replicas
         )
     except RuntimeError as e:
-        have = len(tf.config.list_logical_devices("CPU"))
+        have = num_logical_cpus()  # this worker's devices, not the whole cluster's
         if have == num_replicas:
             return
         raise RuntimeError(
@@ -88,7 +88,9 @@ def _split_cpu(num_replicas):
             "happen before the first TensorFlow op. Fix: call "
             f"`keras_dist.simulate_cpu_replicas({num_replicas})` right after "
             "`import keras_dist`, before building data or models, or set "
-            f"`{CPU_REPLICAS_ENV}={num_replicas}` before starting Python."
+            f"`{CPU_REPLICAS_ENV}={num_replicas}` before starting Python. With several "
+            f"workers, keras_dist joined the cluster at import: pass `--cpu-replicas {num_replicas}` "
+            "to `keras-dist launch` (or set that variable for every worker) instead."
         ) from e
 
 

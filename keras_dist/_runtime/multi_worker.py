@@ -10,7 +10,9 @@ program start; it returns when all workers listed in the cluster have joined.
 """
 
 import random
+import signal
 import socket
+import threading
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
@@ -159,3 +161,21 @@ def share_random_seed(strategy):
     shared = int(strategy.experimental_local_results(strategy.run(replica_fn))[0].numpy())
     keras.utils.set_random_seed(shared)
     return shared
+
+
+def restore_default_sigterm():
+    """Gives SIGTERM its default action (terminate) back after TensorFlow took it over.
+
+    TensorFlow's coordination service installs a C-level SIGTERM handler (its
+    preemption notifier) that records the signal and lets the process run on.
+    A Python handler the script installed itself is left alone.
+
+    Returns:
+        Boolean, whether the default action was restored.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return True

@@ -244,6 +244,19 @@ def _cluster_from_slurm(environ):
 _TASK_IN_MESSAGE = re.compile(r"/job:(chief|worker)/(?:replica:\d+/)?task:(\d+)")
 
 
+_USEFUL_MARKERS = ("unhealthy", "Socket closed", "Connection refused", "timed out", "Barrier", "aborted", "is down")
+
+
+def _informative_line(error_text):
+    """Returns the line of a TensorFlow error that says most about the cause."""
+    lines = [line.strip() for line in error_text.splitlines() if line.strip()]
+    for marker in _USEFUL_MARKERS:
+        for line in lines:
+            if marker in line:
+                return line
+    return next((line for line in lines if line != "Graph execution error:"), "")
+
+
 def tasks_named_in(message, info):
     """Returns the other tasks a TensorFlow error message names, as `"worker:1"`, in order.
 
@@ -281,7 +294,7 @@ def peer_failure_message(info, error_text, *, missing, during, timeout_seconds, 
     who = ", ".join(f"{name} ({addresses[name]})" for name in missing) or (
         "another worker (TensorFlow did not say which)"
     )
-    first_line = next((line.strip() for line in error_text.splitlines() if line.strip()), "")
+    first_line = _informative_line(error_text)
     if during == "startup":
         what = f"did not join the cluster within {timeout_seconds:g} s ({timeout_variable})"
         fix = (
@@ -296,11 +309,14 @@ def peer_failure_message(info, error_text, *, missing, during, timeout_seconds, 
         )
     else:
         what = (
-            f"stopped answering or crashed (no heartbeat for {timeout_seconds:g} s, {timeout_variable})"
+            "stopped answering or crashed (seen from a broken connection, or after "
+            f"{timeout_seconds:g} s without heartbeats, {timeout_variable})"
         )
         fix = (
             "read the log of that worker for why it stopped, then restart all workers "
-            "(keras.callbacks.BackupAndRestore resumes from the last finished epoch)"
+            "(keras.callbacks.BackupAndRestore resumes from the last finished epoch). If it "
+            "ended normally, the workers ran different programs: every worker must make the "
+            "same fit/evaluate/predict calls (not `if keras_dist.is_chief(): model.evaluate(...)`)"
         )
     return (
         f"[{info.task_name}] {who} {what}. Received from TensorFlow: {first_line[:300]} "

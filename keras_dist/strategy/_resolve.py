@@ -6,6 +6,7 @@ import sys
 
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist._runtime import devices, multi_worker
 from keras_dist.strategy import _cluster
 
@@ -219,9 +220,12 @@ def _create_multi_worker(info):
         )
     timeouts = timeouts_from_environment()
     try:
-        return multi_worker.create_strategy(
+        strategy = multi_worker.create_strategy(
             resolver, num_cpu_replicas=devices.num_logical_cpus(), **timeouts
         )
+        if _compat.is_active("sigterm_default_action"):
+            multi_worker.restore_default_sigterm()
+        return strategy
     except RuntimeError as e:
         if "program startup" not in str(e):
             raise

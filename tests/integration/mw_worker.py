@@ -41,6 +41,7 @@ def main(argv):
         callbacks = []
         if info.task_id == int(options["--die-task-id"]):
             callbacks = [_DieAtBatch(int(options["--die-at-batch"]))]
+        print("training", info.task_name, flush=True)
         model.fit(x, y, batch_size=4, epochs=1000, callbacks=callbacks, verbose=0)
         return
     results = mw_workload.run(model)

@@ -139,7 +139,9 @@ def test_worker_unavailable_error_falls_back_to_tcp_probe():
     error = _cluster.worker_unavailable_error(info, "Socket closed", during="training", timeouts=timeouts)
     assert isinstance(error, errors.WorkerUnavailableError) and error.missing == ("worker:1",)
     assert str(error).startswith(f"[worker:0] worker:1 (127.0.0.1:{port}) stopped answering or crashed")
-    assert "no heartbeat for 30 s, KERAS_DIST_HEARTBEAT_TIMEOUT" in str(error)
+    assert "after 30 s without heartbeats, KERAS_DIST_HEARTBEAT_TIMEOUT" in str(error)
+    assert "Received from TensorFlow: Socket closed" in str(error)
+    assert "same fit/evaluate/predict calls" in str(error)
     collective = _cluster.worker_unavailable_error(
         info, "/job:worker/replica:0/task:1 timed out", during="collective", timeouts=timeouts
     )
