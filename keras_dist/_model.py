@@ -8,11 +8,12 @@ strategy (see `keras_dist._compat.keras_fixes`).
 """
 
 import contextlib
+import warnings
 
 import keras
 import tensorflow as tf
 
-from keras_dist import _compat
+from keras_dist import _compat, errors
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import steps, variables
 from keras_dist.strategy import _cluster, _plan, _resolve
@@ -154,6 +155,10 @@ class DistributedModel(keras.Model):
         Raises:
             ValueError: `jit_compile=True` under a multi-replica strategy
                 (Keras 3 cannot compile one step across replicas yet).
+
+        Distributed behavior:
+            Under a multi-worker strategy `steps_per_execution` > 1 is
+            replaced by 1 with a `KerasDistWarning` (see docs/compat.md).
         """
         strategy = self._distribute_strategy
         jit_compile = kwargs.get("jit_compile", "auto")
@@ -167,6 +172,21 @@ class DistributedModel(keras.Model):
                     "`jit_compile=False` (or leave the default, 'auto')."
                 )
             kwargs["jit_compile"] = False
+        steps_per_execution = kwargs.get("steps_per_execution", 1)
+        if (
+            steps_per_execution != 1
+            and variables.is_multi_worker(strategy)
+            and _compat.is_active("multi_worker_steps_per_execution")
+        ):
+            warnings.warn(
+                "`steps_per_execution` > 1 is not supported under MultiWorkerMirroredStrategy yet "
+                "(TensorFlow fails on collectives inside Keras' multi-step loop); using 1. "
+                f"Received: steps_per_execution={steps_per_execution}. The results are the same; "
+                "pass steps_per_execution=1 to silence this warning.",
+                errors.KerasDistWarning,
+                stacklevel=2,
+            )
+            kwargs["steps_per_execution"] = 1
         with strategy.scope():
             super().compile(*args, **kwargs)
         self._distribute_state()

@@ -172,6 +172,18 @@ FIXES = {
             "installed its own Python handler.",
             remove_when=_OPEN,
         ),
+        Fix(
+            name="multi_worker_steps_per_execution",
+            package="tensorflow",
+            affected=">=2.0",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (multi_step_on_iterator; no upstream report found)",
+            symptom="With steps_per_execution > 1 under MultiWorkerMirroredStrategy, Keras runs the "
+            "step inside tf.cond inside tf.while_loop and TensorFlow fails on the collective ops "
+            "there: 'You must feed a value for placeholder tensor .../while/cond/Placeholder'.",
+            remedy="Under a multi-worker strategy compile uses steps_per_execution=1 and warns "
+            "(the numbers are the same; only per-step overhead grows).",
+            remove_when=_OPEN,
+        ),
     ]
 }
 

@@ -27,7 +27,7 @@ def data(num_examples, seed):
     return x, y
 
 
-def build(model_class, **kwargs):
+def build(model_class, steps_per_execution=1, **kwargs):
     """Returns a compiled model with fixed initial weights; `model_class` is keras.Model or DistributedModel."""
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(8, activation="tanh")(inputs)
@@ -38,6 +38,7 @@ def build(model_class, **kwargs):
         optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
         loss="mse",
         metrics=["mae", ExampleCount(name="count")],
+        steps_per_execution=steps_per_execution,
     )
     return model
 

@@ -1,0 +1,43 @@
+"""`steps_per_execution` > 1 under MultiWorkerMirroredStrategy (found by a new-user session)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
+
+WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "integration", "mw_worker.py")
+
+
+def _launch(tmp_path, disabled_fixes):
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS")},
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "KERAS_DIST_QUIET": "1",
+        "KERAS_DIST_DISABLE_FIXES": disabled_fixes,
+    }
+    command = [
+        sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+        WORKER, str(tmp_path), "--steps-per-execution", "4",
+    ]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
+
+
+@pytest.mark.timeout(120)
+def test_without_fix_tensorflow_fails_in_the_multi_step_loop(tmp_path):
+    result = _launch(tmp_path, "multi_worker_steps_per_execution")
+    assert result.returncode != 0
+    assert "You must feed a value for placeholder tensor" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_with_fix_it_warns_and_trains_like_one_step_per_execution(tmp_path):
+    result = _launch(tmp_path, "")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.stdout.count("KerasDistWarning: `steps_per_execution` > 1 is not supported") == 2
+    outputs = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(2)]
+    assert outputs[0]["weights"] == outputs[1]["weights"]
+    assert outputs[0]["history"]["count"] == [37.0, 37.0]
