@@ -2,8 +2,9 @@
 
 TensorFlow's strategy waits for the cluster without a time limit and uses one CPU
 device per worker. This module (private TF internals, hence `_runtime`) adds:
-a startup timeout and heartbeat timeout on TensorFlow's coordination service, a
-default collective timeout, and several simulated CPU replicas per worker.
+a startup timeout and heartbeat timeout on TensorFlow's coordination service, an
+optional collective timeout, several simulated CPU replicas per worker, a random
+seed shared by all workers, and SIGTERM's default action after joining.
 
 What happens on each worker: every worker calls `create_strategy` once, at
 program start; it returns when all workers listed in the cluster have joined.
@@ -19,11 +20,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 
-# TensorFlow 2.21 moved the proto; both paths exist in the supported range.
-try:
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-except ImportError:  # pragma: no cover - older layout
-    from tsl.protobuf import coordination_config_pb2
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 
 
 class _CollectiveAllReduceExtended(_mwms.CollectiveAllReduceExtended):
