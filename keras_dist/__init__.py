@@ -4,14 +4,14 @@ Swap `keras.Model` for `keras_dist.DistributedModel`, keep `compile` and `fit`.
 Importing keras_dist applies `KERAS_DIST_CPU_REPLICAS` (simulated CPU replicas)
 if it is set and, when `TF_CONFIG` or SLURM describes a cluster of several
 workers, joins it (TensorFlow needs the multi-worker strategy before its first
-operation); it changes nothing else.
+operation); it changes nothing else. Inside the `keras-dist` command itself,
+importing the package loads nothing (the launcher runs without TensorFlow).
 """
 
 import os
+import sys
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-
-import keras as _keras  # noqa: E402
+from keras_dist.version import __version__
 
 
 def _require_tensorflow_backend(backend):
@@ -23,22 +23,34 @@ def _require_tensorflow_backend(backend):
         )
 
 
-_require_tensorflow_backend(_keras.backend.backend())
+def _is_cli_process(argv0):
+    """Whether this process is the `keras-dist` command (which must not load TensorFlow).
 
-from keras_dist._runtime.devices import apply_requested_cpu_replicas as _apply_requested_cpu_replicas  # noqa: E402
+    `python -m keras_dist.cli` imports this package while `sys.argv[0]` is still "-m".
+    """
+    return argv0 == "-m" or os.path.basename(argv0) == "keras-dist"
 
-_apply_requested_cpu_replicas()
 
-from keras_dist.strategy._resolve import join_cluster_at_import as _join_cluster_at_import  # noqa: E402
+if not _is_cli_process(sys.argv[0] if sys.argv else ""):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-_join_cluster_at_import()
+    import keras as _keras
 
-from keras_dist._model import DistributedModel  # noqa: E402
-from keras_dist._wrap import distribute  # noqa: E402
-from keras_dist._runtime.devices import simulate_cpu_replicas  # noqa: E402
-from keras_dist.strategy import Plan, describe, is_chief, resolve_strategy  # noqa: E402
-from keras_dist.strategy import ClusterInfo, cluster_info, num_workers, task_id, task_type  # noqa: E402
-from keras_dist.version import __version__  # noqa: E402
+    _require_tensorflow_backend(_keras.backend.backend())
+
+    from keras_dist._runtime.devices import apply_requested_cpu_replicas as _apply_requested_cpu_replicas
+
+    _apply_requested_cpu_replicas()
+
+    from keras_dist.strategy._resolve import join_cluster_at_import as _join_cluster_at_import
+
+    _join_cluster_at_import()
+
+    from keras_dist._model import DistributedModel
+    from keras_dist._runtime.devices import simulate_cpu_replicas
+    from keras_dist._wrap import distribute
+    from keras_dist.strategy import ClusterInfo, Plan, cluster_info, describe, is_chief
+    from keras_dist.strategy import num_workers, resolve_strategy, task_id, task_type
 
 __all__ = [
     "ClusterInfo",
@@ -55,3 +67,21 @@ __all__ = [
     "task_id",
     "task_type",
 ]
+
+
+_LAZY = {
+    "DistributedModel": "keras_dist._model",
+    "distribute": "keras_dist._wrap",
+    "simulate_cpu_replicas": "keras_dist._runtime.devices",
+}
+
+
+def __getattr__(name):
+    """Loads the public names on first use inside the `keras-dist` command itself."""
+    if name in __all__:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY.get(name, "keras_dist.strategy")), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'keras_dist' has no attribute {name!r}")

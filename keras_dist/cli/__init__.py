@@ -6,8 +6,8 @@ which adds its parser and sets `func=<name>_command`, and `<name>_command(args)`
 which returns the exit status. To add a subcommand, import its module and list
 it in `_COMMAND_MODULES`.
 Must not: hold subcommand logic. The subcommand modules must not import
-TensorFlow or Keras themselves, but importing this package imports `keras_dist`,
-and with it TensorFlow.
+TensorFlow or Keras at module level: `keras_dist/__init__.py` loads nothing in the
+`keras-dist` process, so `launch` starts without TensorFlow (`env` imports it when run).
 """
 
 import argparse

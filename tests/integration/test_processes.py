@@ -59,3 +59,13 @@ def test_main_example_smoke_run():
     if not tf.config.list_physical_devices("GPU"):  # 2 simulated CPU replicas by default
         assert "replicas in sync:     2" in result.stdout
     assert "test accuracy" in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_launcher_process_does_not_load_tensorflow(tmp_path):
+    command = [sys.executable, "-X", "importtime", "-m", "keras_dist.cli", "launch", "--num-workers", "0", "x.py"]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2 and "`--num-workers` must be an integer >= 1" in result.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "import time:" in line]
+    assert "keras_dist.cli.launch" in imported
+    assert not [name for name in imported if name.split(".")[0] in ("tensorflow", "keras")]
