@@ -121,13 +121,16 @@ def test_worker_killed_mid_epoch_fails_the_others_naming_it(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_worker_never_started_fails_the_others_naming_it(tmp_path):
-    processes = _start_workers(tmp_path, 2, [0], [str(tmp_path)], {"KERAS_DIST_STARTUP_TIMEOUT": "5"})
+@pytest.mark.parametrize("started, missing", [(0, 1), (1, 0)], ids=["worker_1_missing", "leader_missing"])
+def test_worker_never_started_fails_the_others_naming_it(tmp_path, started, missing):
+    processes = _start_workers(tmp_path, 2, [started], [str(tmp_path)], {"KERAS_DIST_STARTUP_TIMEOUT": "5"})
+    start = time.monotonic()
     returncodes = _wait_all(processes, timeout=100)
-    log = (tmp_path / "worker-0.log").read_text()
-    assert returncodes[0] == 1, log[-3000:]
-    assert "WorkerUnavailableError: [worker:0] worker:1 (127.0.0.1:" in log, log[-3000:]
+    log = (tmp_path / f"worker-{started}.log").read_text()
+    assert returncodes[started] == 1, log[-3000:]
+    assert f"WorkerUnavailableError: [worker:{started}] worker:{missing} (127.0.0.1:" in log, log[-3000:]
     assert "did not join the cluster within 5 s (KERAS_DIST_STARTUP_TIMEOUT)" in log
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.timeout(120)
