@@ -238,6 +238,10 @@ class DistributedModel(keras.Model):
             return
         try:
             yield
+        except tf.errors.InvalidArgumentError as e:
+            if "collective" not in e.message.lower():
+                raise
+            raise RuntimeError(_cluster.out_of_step_message(_cluster.cluster_from_environment(), e.message)) from e
         except _PEER_ERRORS as e:
             during = "collective" if isinstance(e, tf.errors.DeadlineExceededError) else "training"
             raise _cluster.worker_unavailable_error(

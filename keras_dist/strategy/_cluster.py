@@ -244,7 +244,7 @@ def _cluster_from_slurm(environ):
 _TASK_IN_MESSAGE = re.compile(r"/job:(chief|worker)/(?:replica:\d+/)?task:(\d+)")
 
 
-_USEFUL_MARKERS = ("unhealthy", "Socket closed", "Connection refused", "timed out", "Barrier", "aborted", "is down")
+_USEFUL_MARKERS = ("mismatch", "unhealthy", "Socket closed", "Connection refused", "timed out", "Barrier", "aborted", "is down")
 
 
 def _informative_line(error_text):
@@ -386,3 +386,24 @@ def num_workers():
         ValueError: `TF_CONFIG` is set but invalid (see `parse_tf_config`).
     """
     return cluster_from_environment().num_workers
+
+
+def out_of_step_message(info, error_text):
+    """Returns the message for workers that ran different collectives (a mismatched program).
+
+    Args:
+        info: `ClusterInfo` of this process.
+        error_text: String, TensorFlow's error message (e.g. "Shape mismatch in
+            the collective instance 804").
+
+    Example:
+    >>> out_of_step_message(LOCAL, "Shape mismatch in the collective instance 7")[:58]
+    '[worker:0] The workers are out of step: another worker ran'
+    """
+    return (
+        f"[{info.task_name}] The workers are out of step: another worker ran a different "
+        f"collective operation at the same point. Received from TensorFlow: "
+        f"{_informative_line(error_text)[:300]} Fix: every worker must make the same "
+        "fit/evaluate/predict calls with the same epochs, steps and batch sizes (do not "
+        "guard them with `if keras_dist.is_chief():`). See docs/troubleshooting.md#out-of-step."
+    )

@@ -232,3 +232,26 @@ def test_unseeded_numpy_shuffle_sees_every_example_once_per_epoch(tmp_path):
     for epoch in range(2):
         seen = sorted(i for r in rows.values() for batch in r[6 * epoch : 6 * (epoch + 1)] for i in batch)
         assert seen == list(range(96)), f"epoch {epoch}"
+
+
+MISMATCHED_SCRIPT = """
+import keras_dist
+import keras, numpy as np
+
+x = np.random.RandomState(0).rand(64, 4).astype("float32")
+inputs = keras.Input((4,))
+model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs))
+model.compile(optimizer="sgd", loss="mse")
+model.fit(x, x[:, :1], batch_size=8, epochs=3 if keras_dist.task_id() == 0 else 5, verbose=0)
+model.evaluate(x, x[:, :1], batch_size=8, verbose=0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_workers_running_different_programs_get_a_clear_error(tmp_path):
+    script = tmp_path / "mismatched.py"
+    script.write_text(MISMATCHED_SCRIPT)
+    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", "--grace-period", "3", str(script)]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "The workers are out of step: another worker ran a different collective" in result.stdout
