@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras_dist import _compat, errors
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import steps, variables
-from keras_dist.strategy import _cluster, _plan, _resolve
+from keras_dist.strategy import _cluster, _peer_errors, _plan, _resolve
 
 _REDUCTION_METHODS = ("auto", "mean", "sum", "first")
 _FUNCTIONAL_CLASSES = {}
@@ -241,10 +241,11 @@ class DistributedModel(keras.Model):
         except tf.errors.InvalidArgumentError as e:
             if "collective" not in e.message.lower():
                 raise
-            raise RuntimeError(_cluster.out_of_step_message(_cluster.cluster_from_environment(), e.message)) from e
+            info = _cluster.cluster_from_environment()
+            raise RuntimeError(_peer_errors.out_of_step_message(info, e.message)) from e
         except _PEER_ERRORS as e:
             during = "collective" if isinstance(e, tf.errors.DeadlineExceededError) else "training"
-            raise _cluster.worker_unavailable_error(
+            raise _peer_errors.worker_unavailable_error(
                 _cluster.cluster_from_environment(),
                 e.message,
                 during=during,

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist._runtime import devices, multi_worker
-from keras_dist.strategy import _cluster
+from keras_dist.strategy import _cluster, _peer_errors
 
 STRATEGY_NAMES = ("auto", "mirrored", "multi_worker", "tpu", "one_device")
 
@@ -237,7 +237,7 @@ def _create_multi_worker(info):
             "See docs/troubleshooting.md#program-startup."
         ) from None
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
-        raise _cluster.worker_unavailable_error(
+        raise _peer_errors.worker_unavailable_error(
             info, e.message, during="startup", timeouts=timeouts
         ) from None
 

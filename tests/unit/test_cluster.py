@@ -5,7 +5,7 @@ import json
 import pytest
 
 from keras_dist import errors
-from keras_dist.strategy import _cluster, _resolve
+from keras_dist.strategy import _cluster, _peer_errors, _resolve
 
 
 def _tf_config(cluster, task=None, **extra):
@@ -125,7 +125,7 @@ def test_tasks_named_in_tensorflow_message_excludes_self():
         "Barrier timed out. The first task at the barrier: /job:worker/replica:0/task:0. "
         "Some timed out task names:\n/job:worker/replica:0/task:1\n/job:worker/replica:0/task:7"
     )
-    assert _cluster.tasks_named_in(message, info) == ["worker:1"]
+    assert _peer_errors.tasks_named_in(message, info) == ["worker:1"]
 
 
 def test_worker_unavailable_error_falls_back_to_tcp_probe():
@@ -136,13 +136,13 @@ def test_worker_unavailable_error_falls_back_to_tcp_probe():
         _tf_config({"worker": ["127.0.0.1:1", f"127.0.0.1:{port}"]}, {"type": "worker", "index": 0})
     )
     timeouts = _resolve.timeouts_from_environment({})
-    error = _cluster.worker_unavailable_error(info, "Socket closed", during="training", timeouts=timeouts)
+    error = _peer_errors.worker_unavailable_error(info, "Socket closed", during="training", timeouts=timeouts)
     assert isinstance(error, errors.WorkerUnavailableError) and error.missing == ("worker:1",)
     assert str(error).startswith(f"[worker:0] worker:1 (127.0.0.1:{port}) stopped answering or crashed")
     assert "after 30 s without heartbeats, KERAS_DIST_HEARTBEAT_TIMEOUT" in str(error)
     assert "Received from TensorFlow: Socket closed" in str(error)
     assert "same fit/evaluate/predict calls" in str(error)
-    collective = _cluster.worker_unavailable_error(
+    collective = _peer_errors.worker_unavailable_error(
         info, "/job:worker/replica:0/task:1 timed out", during="collective", timeouts=timeouts
     )
     assert "did not take part in a collective within 0 s (KERAS_DIST_COLLECTIVE_TIMEOUT)" in str(collective)
