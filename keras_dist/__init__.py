@@ -9,8 +9,8 @@ importing the package loads nothing (the launcher runs without TensorFlow).
 """
 
 import os
-import sys
 
+from keras_dist._process import is_keras_dist_command as _is_keras_dist_command
 from keras_dist.version import __version__
 
 
@@ -23,15 +23,7 @@ def _require_tensorflow_backend(backend):
         )
 
 
-def _is_cli_process(argv0):
-    """Whether this process is the `keras-dist` command (which must not load TensorFlow).
-
-    `python -m keras_dist.cli` imports this package while `sys.argv[0]` is still "-m".
-    """
-    return argv0 == "-m" or os.path.basename(argv0) == "keras-dist"
-
-
-if not _is_cli_process(sys.argv[0] if sys.argv else ""):
+if not _is_keras_dist_command():
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
     import keras as _keras

@@ -123,7 +123,11 @@ class DistributedModel(keras.Model):
             for v in self.weights:
                 if not v.trainable and v.aggregation == "none" and "float" in v.dtype:
                     variables.set_aggregation(v, "mean")
-        owned = {id(v): v for v in [*self.variables, *self.weights, *self.metrics_variables]}
+        try:
+            metrics_variables = self.metrics_variables
+        except AttributeError:  # A `metrics` property reading attributes set after __init__.
+            metrics_variables = []
+        owned = {id(v): v for v in [*self.variables, *self.weights, *metrics_variables]}
         moved = sum(variables.rehome(v, strategy) for v in owned.values())
         self._decorrelate_seeds(owned.values())
         optimizer = getattr(self, "optimizer", None)

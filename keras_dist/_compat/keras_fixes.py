@@ -152,7 +152,7 @@ FIXES = {
             name="multi_worker_output_reduction",
             package="keras",
             affected=">=3.0",
-            upstream="https://github.com/keras-team/keras/issues/20585 (follow-up; shared/cases/02)",
+            upstream="https://github.com/keras-team/keras/issues/20585 (follow-up: scalar step outputs reduced with axis=0)",
             symptom="Under MultiWorkerMirroredStrategy, fit/evaluate reduce every step output with "
             "strategy.reduce('MEAN', value, axis=0), which fails on scalar metrics ('Invalid reduction "
             "dimension 0 for input with 0 dimensions') and averages away axis 0 of other outputs.",

@@ -9,6 +9,7 @@ from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
+from keras.src.utils.rng_utils import get_random_seed
 
 __all__ = [
     "Functional",
@@ -19,6 +20,7 @@ __all__ = [
     "unscale_loss_for_distribution",
     "dataset_element_spec",
     "functional_structure",
+    "get_random_seed",
 ]
 
 

@@ -20,6 +20,8 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 
+from keras_dist._runtime import keras_internals
+
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 
 
@@ -140,7 +142,8 @@ def share_random_seed(strategy):
         strategy: The multi-worker `tf.distribute.Strategy`.
 
     Returns:
-        Integer, the seed now set on every worker.
+        Integer, the seed now set on every worker; a seed the script already
+        set with `keras.utils.set_random_seed` is kept (the all-reduce still runs).
 
     Distributed behavior:
         Collective: every worker must call it once, at the same point.
@@ -156,6 +159,8 @@ def share_random_seed(strategy):
         return context.all_reduce("SUM", mine)
 
     shared = int(strategy.experimental_local_results(strategy.run(replica_fn))[0].numpy())
+    if keras_internals.get_random_seed() is not None:
+        return keras_internals.get_random_seed()  # The script seeded before importing keras_dist.
     keras.utils.set_random_seed(shared)
     return shared
 

@@ -2,11 +2,11 @@
 
 import math
 import os
-import sys
 
 import tensorflow as tf
 
 from keras_dist import _compat
+from keras_dist._process import is_keras_dist_command
 from keras_dist._runtime import devices, multi_worker
 from keras_dist.strategy import _cluster, _peer_errors
 
@@ -245,7 +245,7 @@ def _create_multi_worker(info):
 JOIN_AT_IMPORT_ENV = "KERAS_DIST_JOIN_AT_IMPORT"
 
 
-def join_cluster_at_import(argv0=None, environ=None):
+def join_cluster_at_import(orig_argv=None, environ=None):
     """Creates the multi-worker strategy now when the environment describes a cluster.
 
     TensorFlow accepts `MultiWorkerMirroredStrategy` only before its first
@@ -254,11 +254,13 @@ def join_cluster_at_import(argv0=None, environ=None):
     reference models and DistributedModels in any order. Then Python, NumPy,
     TensorFlow and Keras are seeded with one seed shared by all workers (drawn
     on the chief), so unseeded shuffles agree and every example is seen once
-    per epoch. Skipped in the `keras-dist` command itself and when
+    per epoch (a seed the script set with `keras.utils.set_random_seed` before
+    the import is kept). Skipped in the `keras-dist` command itself and when
     `KERAS_DIST_JOIN_AT_IMPORT=0`.
 
     Args:
-        argv0: String, the program name (defaults to `sys.argv[0]`).
+        orig_argv: List of strings, the interpreter's command line (defaults
+            to `sys.orig_argv`).
         environ: Mapping of environment variables. Defaults to `os.environ`.
 
     Returns:
@@ -274,14 +276,23 @@ def join_cluster_at_import(argv0=None, environ=None):
         Collective: blocks until every worker of the cluster has joined.
     """
     environ = os.environ if environ is None else environ
-    argv0 = sys.argv[0] if argv0 is None and sys.argv else (argv0 or "")
-    # `python -m keras_dist.cli` imports this package while sys.argv[0] is still "-m".
-    if environ.get(JOIN_AT_IMPORT_ENV, "1") == "0" or argv0 == "-m" or os.path.basename(argv0) == "keras-dist":
+    if environ.get(JOIN_AT_IMPORT_ENV, "1") == "0" or is_keras_dist_command(orig_argv):
         return None
     info = _cluster.cluster_from_environment(environ)
     timeouts_from_environment(environ)
     if info.source == "local" or info.num_workers < 2:
         return None
     strategy = resolve_strategy("multi_worker")
-    multi_worker.share_random_seed(strategy)
+    try:
+        multi_worker.share_random_seed(strategy)
+    except (tf.errors.InternalError, tf.errors.InvalidArgumentError) as e:
+        if "group" not in e.message:
+            raise
+        raise RuntimeError(
+            f"[{info.task_name}] The workers have different numbers of replicas: this worker has "
+            f"{len(strategy.extended.worker_devices)} and another worker a different number. "
+            "Received from TensorFlow: "
+            f"{e.message.strip().splitlines()[0][:300]} Fix: give every worker the same devices: the "
+            "same --cpu-replicas (KERAS_DIST_CPU_REPLICAS) and the same number of visible GPUs."
+        ) from None
     return strategy

@@ -175,18 +175,38 @@ def test_bad_timeouts_are_refused(name, value, match):
         _resolve.timeouts_from_environment({name: value})
 
 
+SCRIPT = ["python", "train.py"]
+
+
 def test_join_at_import_skips_local_cli_and_opt_out():
     two = {"TF_CONFIG": _tf_config(TWO_WORKERS, {"type": "worker", "index": 0})}
-    assert _resolve.join_cluster_at_import("train.py", {}) is None
-    assert _resolve.join_cluster_at_import("/usr/bin/keras-dist", two) is None
-    assert _resolve.join_cluster_at_import("-m", two) is None
-    assert _resolve.join_cluster_at_import("train.py", {**two, "KERAS_DIST_JOIN_AT_IMPORT": "0"}) is None
+    assert _resolve.join_cluster_at_import(SCRIPT, {}) is None
+    assert _resolve.join_cluster_at_import(["python", "/usr/bin/keras-dist", "env"], two) is None
+    assert _resolve.join_cluster_at_import(["python", "-m", "keras_dist.cli", "env"], two) is None
+    assert _resolve.join_cluster_at_import(SCRIPT, {**two, "KERAS_DIST_JOIN_AT_IMPORT": "0"}) is None
     single = {"TF_CONFIG": _tf_config({"worker": ["a:1"]}, {"type": "worker", "index": 0})}
-    assert _resolve.join_cluster_at_import("train.py", single) is None
+    assert _resolve.join_cluster_at_import(SCRIPT, single) is None
+
+
+@pytest.mark.parametrize(
+    "orig_argv, expected",
+    [
+        (["python", "-m", "keras_dist.cli", "launch"], True),
+        (["python", "-u", "-mkeras_dist.cli", "env"], True),
+        (["/venv/bin/python", "/venv/bin/keras-dist", "launch"], True),
+        (["python", "-m", "mypackage.train"], False),  # keras_dist imported by mypackage/__init__.py
+        (["python", "train.py", "-m", "keras_dist.cli"], False),
+        (["python", "-c", "import keras_dist"], False),
+    ],
+)
+def test_keras_dist_command_is_recognised_from_the_interpreter_command_line(orig_argv, expected):
+    from keras_dist._process import is_keras_dist_command
+
+    assert is_keras_dist_command(orig_argv) is expected
 
 
 def test_join_at_import_validates_before_starting_anything():
     with pytest.raises(ValueError, match="Invalid TF_CONFIG"):
-        _resolve.join_cluster_at_import("train.py", {"TF_CONFIG": "{bad"})
+        _resolve.join_cluster_at_import(SCRIPT, {"TF_CONFIG": "{bad"})
     with pytest.raises(ValueError, match="KERAS_DIST_HEARTBEAT_TIMEOUT"):
-        _resolve.join_cluster_at_import("train.py", {"KERAS_DIST_HEARTBEAT_TIMEOUT": "x"})
+        _resolve.join_cluster_at_import(SCRIPT, {"KERAS_DIST_HEARTBEAT_TIMEOUT": "x"})

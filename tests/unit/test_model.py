@@ -245,3 +245,26 @@ def test_loss_scale_optimizer_built_outside_scope_is_distributed(mirrored_1x2_cp
     kinds = {type(v.value).__name__ for v in [*optimizer.variables, *optimizer.inner_optimizer.variables]}
     assert kinds == {"MirroredVariable"}
     assert int(optimizer.inner_optimizer.iterations.numpy()) == 4
+
+
+def test_subclass_whose_metrics_property_reads_attributes_set_after_init(mirrored_1x2_cpu):
+    """The Keras guide's low-level pattern: `metrics` returns trackers created after `super().__init__()`."""
+
+    class GuideModel(keras_dist.DistributedModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker]
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = GuideModel(strategy=mirrored_1x2_cpu)
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((8, 2), "float32")
+    model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+    assert any(v is model.loss_tracker.variables[0] for v in model.metrics_variables)

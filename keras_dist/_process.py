@@ -1,0 +1,33 @@
+"""Whether this Python process is the `keras-dist` command itself (it must not load TensorFlow)."""
+
+import os
+import sys
+
+CLI_MODULE = "keras_dist.cli"
+
+
+def is_keras_dist_command(orig_argv=None):
+    """Returns whether the process was started as `keras-dist ...` or `python -m keras_dist.cli ...`.
+
+    Args:
+        orig_argv: List of strings, the interpreter's original command line.
+            Defaults to `sys.orig_argv`.
+
+    Example:
+    >>> is_keras_dist_command(["python", "-m", "keras_dist.cli", "launch"])
+    True
+    >>> is_keras_dist_command(["python", "-m", "mypackage.train"])
+    False
+    """
+    argv = list(sys.orig_argv if orig_argv is None else orig_argv)
+    if len(argv) > 1 and os.path.basename(argv[1]) == "keras-dist":  # python .../bin/keras-dist
+        return True
+    if argv and os.path.basename(argv[0]) == "keras-dist":
+        return True
+    for i, arg in enumerate(argv[1:], start=1):
+        module = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:] if arg.startswith("-m") else None
+        if module is not None:
+            return module in (CLI_MODULE, "keras_dist")
+        if not arg.startswith("-") or arg == "-c":
+            return False  # a script or -c: options for the interpreter end here
+    return False
