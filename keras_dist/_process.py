@@ -24,10 +24,16 @@ def is_keras_dist_command(orig_argv=None):
         return True
     if argv and os.path.basename(argv[0]) == "keras-dist":
         return True
-    for i, arg in enumerate(argv[1:], start=1):
-        module = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:] if arg.startswith("-m") else None
-        if module is not None:
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-m"):
+            module = arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
             return module in (CLI_MODULE, "keras_dist")
         if not arg.startswith("-") or arg == "-c":
-            return False  # a script or -c: options for the interpreter end here
+            return False  # a script or -c: the interpreter's own options end here
+        i += 2 if arg in _OPTIONS_WITH_VALUE else 1
     return False
+
+
+_OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")

@@ -193,6 +193,7 @@ def test_join_at_import_skips_local_cli_and_opt_out():
     [
         (["python", "-m", "keras_dist.cli", "launch"], True),
         (["python", "-u", "-mkeras_dist.cli", "env"], True),
+        (["python", "-X", "importtime", "-W", "ignore", "-m", "keras_dist.cli", "env"], True),
         (["/venv/bin/python", "/venv/bin/keras-dist", "launch"], True),
         (["python", "-m", "mypackage.train"], False),  # keras_dist imported by mypackage/__init__.py
         (["python", "train.py", "-m", "keras_dist.cli"], False),
