@@ -1,5 +1,7 @@
 """Small shared builders for the compat tests."""
 
+import os
+
 import numpy as np
 import keras
 
@@ -21,3 +23,16 @@ def dense_pair(strategy, *, metrics=(), lr=0.1):
         model.compile(optimizer=keras.optimizers.SGD(lr), loss="mse", metrics=list(metrics))
         models.append(model)
     return models
+
+
+MW_WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "integration", "mw_worker.py")
+
+
+def multi_worker_env(disabled_fixes):
+    """Returns the environment for `keras-dist launch` runs of `MW_WORKER` with some fixes disabled."""
+    return {
+        **{k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS")},
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "KERAS_DIST_QUIET": "1",
+        "KERAS_DIST_DISABLE_FIXES": disabled_fixes,
+    }

@@ -6,25 +6,18 @@ by `multi_worker_output_reduction`. With both fixes, the same worker script
 matches single-device training (tests/integration/test_multi_worker.py).
 """
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from helpers import MW_WORKER, multi_worker_env
+
 pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
 
-WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "integration", "mw_worker.py")
-ENV = {
-    **{k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS")},
-    "TF_CPP_MIN_LOG_LEVEL": "3",
-    "KERAS_DIST_QUIET": "1",
-}
-
-
 def _launch(tmp_path, disabled_fixes):
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", WORKER, str(tmp_path)]
-    env = {**ENV, "KERAS_DIST_DISABLE_FIXES": disabled_fixes}
+    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", MW_WORKER, str(tmp_path)]
+    env = multi_worker_env(disabled_fixes)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
 
 

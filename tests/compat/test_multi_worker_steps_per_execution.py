@@ -1,27 +1,22 @@
 """`steps_per_execution` > 1 under MultiWorkerMirroredStrategy (found by a new-user session)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from helpers import MW_WORKER, multi_worker_env
+
 pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
 
-WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "integration", "mw_worker.py")
 
 
 def _launch(tmp_path, disabled_fixes):
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS")},
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        "KERAS_DIST_QUIET": "1",
-        "KERAS_DIST_DISABLE_FIXES": disabled_fixes,
-    }
+    env = multi_worker_env(disabled_fixes)
     command = [
         sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
-        WORKER, str(tmp_path), "--steps-per-execution", "4",
+        MW_WORKER, str(tmp_path), "--steps-per-execution", "4",
     ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
 

@@ -111,16 +111,13 @@ def test_failing_worker_stops_the_others_and_sets_the_exit_status(tmp_path):
     script = _script(tmp_path, """
 if TASK_ID == 0:
     write("pid0", os.getpid())
-    time.sleep(60)
+    time.sleep(70)  # Longer than _run's 60 s timeout: only the launcher can end it in time.
 else:
     wait_for("pid0")
     sys.exit(3)
 """)
-    start = time.monotonic()
     result = _run([], [script, str(tmp_path)])
-    elapsed = time.monotonic() - start
     assert result.returncode == 3, result.stdout + result.stderr
-    assert elapsed < 15 + 10, elapsed  # Launcher start-up (it imports keras_dist) plus 15 s.
     assert "keras-dist launch: worker 1 exited with status 3; stopping the other workers." in result.stderr
     _assert_gone(int((tmp_path / "pid0").read_text()))
 
