@@ -184,6 +184,18 @@ FIXES = {
             "(the numbers are the same; only per-step overhead grows).",
             remove_when=_OPEN,
         ),
+        Fix(
+            name="slurm_cpu_nodes",
+            package="tensorflow",
+            affected=">=2.0",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/python/distribute/cluster_resolver/slurm_cluster_resolver.py (get_num_gpus, cluster_spec)",
+            symptom="SlurmClusterResolver on nodes without GPUs fails: it runs nvidia-smi "
+            "(FileNotFoundError), and with gpus_per_node=0 divides GPUs among tasks with a range step "
+            "of 0 (ValueError).",
+            remedy="On nodes without GPUs keras-dist gives the resolver one placeholder GPU slot per "
+            "task and tells it not to set CUDA_VISIBLE_DEVICES; the cluster spec is unchanged.",
+            remove_when=_OPEN,
+        ),
     ]
 }
 

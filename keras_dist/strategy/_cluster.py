@@ -16,6 +16,7 @@ import re
 
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist._runtime import devices
 
 TRAINING_TASK_TYPES = ("chief", "worker")
@@ -225,12 +226,11 @@ def _slurm_num_tasks(environ):
 def _cluster_from_slurm(environ):
     num_gpus = len(devices.gpu_names())
     port_base = int(environ.get(SLURM_PORT_BASE_ENV, "8888"))
-    if num_gpus:
+    if num_gpus or not _compat.is_active("slurm_cpu_nodes"):
         resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
-            port_base=port_base, gpus_per_node=num_gpus
+            port_base=port_base, gpus_per_node=num_gpus or None
         )
     else:
-        # TF's resolver asks nvidia-smi and divides GPUs among tasks; CPU nodes have none.
         resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
             port_base=port_base, gpus_per_node=1024, gpus_per_task=1, auto_set_gpu=False
         )
