@@ -38,8 +38,9 @@ class ClusterInfo:
             `"host:port"` addresses, empty when there is no cluster.
         task_type: String, this process's task type (`"worker"` alone).
         task_id: Integer, this process's index among tasks of its type.
-        source: String, where the cluster came from: `"TF_CONFIG"`, `"SLURM"`
-            or `"local"` (no cluster).
+        source: String, where the cluster came from: `"TF_CONFIG"`, `"SLURM"`,
+            `"strategy"` (read back from a strategy's cluster resolver) or
+            `"local"` (no cluster).
     """
 
     cluster: dict

@@ -45,13 +45,18 @@ class Plan:
         )
 
 
-def _task(strategy):
+def _cluster_info(strategy):
+    """Returns the `ClusterInfo` of the cluster `strategy` was created for (`LOCAL` without one)."""
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None or not resolver.task_type:
-        return "worker", 0, 1
-    cluster = resolver.cluster_spec().as_dict()
-    num_workers = sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")) or 1
-    return resolver.task_type, int(resolver.task_id or 0), num_workers
+        return _cluster.LOCAL
+    spec = resolver.cluster_spec().as_dict()
+    return _cluster.ClusterInfo(
+        cluster={kind: tuple(addresses) for kind, addresses in spec.items()},
+        task_type=resolver.task_type,
+        task_id=int(resolver.task_id or 0),
+        source="strategy",
+    )
 
 
 def is_chief(strategy=None):
@@ -66,20 +71,17 @@ def is_chief(strategy=None):
     """
     if strategy is None:
         return _cluster.cluster_from_environment().is_chief
-    task_type, task_id, _ = _task(strategy)
-    resolver = getattr(strategy, "cluster_resolver", None)
-    has_chief = bool(resolver and resolver.task_type and "chief" in resolver.cluster_spec().as_dict())
-    return task_type == "chief" or (task_type == "worker" and task_id == 0 and not has_chief)
+    return _cluster_info(strategy).is_chief
 
 
 def describe(strategy):
     """Returns the `Plan` of `strategy` for this process."""
-    task_type, task_id, num_workers = _task(strategy)
+    info = _cluster_info(strategy)
     return Plan(
         strategy=type(strategy).__name__.lstrip("_"),
-        num_workers=num_workers,
-        task_type=task_type,
-        task_id=task_id,
+        num_workers=info.num_workers,
+        task_type=info.task_type,
+        task_id=info.task_id,
         num_replicas_in_sync=strategy.num_replicas_in_sync,
         devices=tuple(strategy_info.worker_devices(strategy)),
         all_reduce=strategy_info.all_reduce_implementation(strategy),

@@ -11,22 +11,22 @@ import sys
 
 import keras_dist  # keras_dist: joins the cluster before TensorFlow runs anything.
 
+import keras  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-class _DieAtBatch:
-    """Returns a Keras callback that SIGKILLs this worker at one training batch."""
+class DieAtBatch(keras.callbacks.Callback):
+    """SIGKILLs this worker when training batch `batch` begins."""
 
-    def __new__(cls, batch):
-        import keras
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
 
-        class DieAtBatch(keras.callbacks.Callback):
-            def on_train_batch_begin(self, index, logs=None):
-                if index == batch:
-                    print(f"killing myself at batch {index}", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-        return DieAtBatch()
+    def on_train_batch_begin(self, index, logs=None):
+        if index == self.batch:
+            print(f"killing myself at batch {index}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv):
@@ -42,7 +42,7 @@ def main(argv):
         x, y = mw_workload.data(400, seed=3)
         callbacks = []
         if info.task_id == int(options["--die-task-id"]):
-            callbacks = [_DieAtBatch(int(options["--die-at-batch"]))]
+            callbacks = [DieAtBatch(int(options["--die-at-batch"]))]
         print("training", info.task_name, flush=True)
         model.fit(x, y, batch_size=4, epochs=1000, callbacks=callbacks, verbose=0)
         return
