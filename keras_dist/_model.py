@@ -8,6 +8,7 @@ strategy (see `keras_dist._compat.keras_fixes`).
 """
 
 import contextlib
+import inspect
 import warnings
 
 import keras
@@ -16,6 +17,10 @@ import tensorflow as tf
 from keras_dist import _compat, errors
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import steps, variables
+from keras_dist.data import _creator as data_creator
+from keras_dist.data import _distribute as data_distribute
+from keras_dist.data import _inputs as data_inputs
+from keras_dist.data import _sharding as data_sharding
 from keras_dist.strategy import _cluster, _peer_errors, _plan, _resolve
 
 _REDUCTION_METHODS = ("auto", "mean", "sum", "first")
@@ -46,11 +51,16 @@ class DistributedModel(keras.Model):
             `TF_CONFIG` lists more than one task; `MirroredStrategy` over 2+
             GPUs (NCCL) or over simulated CPU replicas
             (`keras_dist.simulate_cpu_replicas`); otherwise one device.
+        auto_shard_policy: String, how inputs are split across workers:
+            `"auto"` (the default: FILE when the input reads at least one file
+            per worker, DATA otherwise, or the policy set in a dataset's
+            `tf.data.Options`), `"file"`, `"data"` or `"off"`. See
+            `keras_dist.data`.
         **kwargs: Keras `Model` keyword arguments (`name`, `trainable`, ...).
 
     Raises:
         ValueError: `strategy` is an unknown name or an unsupported strategy
-            (e.g. `ParameterServerStrategy`).
+            (e.g. `ParameterServerStrategy`), or `auto_shard_policy` is unknown.
         TypeError: `strategy` is neither a name nor a `tf.distribute.Strategy`.
 
     Distributed behavior:
@@ -63,6 +73,13 @@ class DistributedModel(keras.Model):
         statistics) is mean-aggregated, so every replica holds the same copy.
         `distribute_reduction_method` ("auto", "mean", "sum", "first") says how
         the values a custom `train_step`/`test_step` returns are combined.
+        Inputs: the batch of any input (`batch_size`, or a dataset's batch) is
+        the global batch, split over the replicas so that they differ by at
+        most one example; every example is used once per epoch (a last
+        partial batch too, unless the dataset drops it with
+        `drop_remainder=True`). The first `fit`/`evaluate`/`predict` of each
+        input prints its `keras_dist.data.InputPlan` on the chief; the latest
+        is `model.input_plan`.
 
     Example:
     >>> import keras, keras_dist
@@ -75,11 +92,13 @@ class DistributedModel(keras.Model):
 
     def __new__(cls, *args, **kwargs):
         kwargs.pop("strategy", None)
+        kwargs.pop("auto_shard_policy", None)
         if ki.functional_init_arguments(args, kwargs) and not issubclass(cls, ki.Functional):
             return super().__new__(_functional_class(cls), *args, **kwargs)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args, strategy="auto", **kwargs):
+    def __init__(self, *args, strategy="auto", auto_shard_policy="auto", **kwargs):
+        auto_shard_policy = data_sharding.validate_auto_shard_policy(auto_shard_policy)
         resolved = _resolve.resolve_strategy(strategy)
         if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not resolved:
             raise ValueError(
@@ -97,6 +116,8 @@ class DistributedModel(keras.Model):
                 keras.Model.__init__(self, *args, **kwargs)
         self._distribute_strategy = resolved
         self._distribute_reduction_method = None
+        self.auto_shard_policy = auto_shard_policy
+        self.input_plan = None
         _plan.announce(resolved)
         self._distribute_state()
 
@@ -206,27 +227,111 @@ class DistributedModel(keras.Model):
     def fit(self, *args, **kwargs):
         """Trains the model, exactly as `keras.Model.fit`.
 
+        `x` and `validation_data` may also be a `keras_dist.data.DatasetCreator`.
+
         Raises:
             keras_dist.errors.WorkerUnavailableError: Under multi-worker
                 training, another worker crashed or stopped answering; the
                 message names it.
+            ValueError: `x` is a `tf.data.Dataset` of single examples and no
+                `batch_size` says how to batch them.
 
         Distributed behavior:
             Collective: every worker must call `fit` with the same arguments.
             Progress is printed on the chief only (`verbose=0` elsewhere).
         """
-        with self._naming_lost_workers():
-            return super().fit(*args, **self._chief_only_verbosity(kwargs))
+        arguments = self._prepared_inputs(keras.Model.fit, args, kwargs, ("x", "validation_data"))
+        with self._naming_lost_workers(), self._distributing_inputs(["fit", "validation"], arguments):
+            return super().fit(**self._chief_only_verbosity(arguments))
 
     def evaluate(self, *args, **kwargs):
         """Evaluates the model, exactly as `keras.Model.evaluate` (see `fit` for errors)."""
-        with self._naming_lost_workers():
-            return super().evaluate(*args, **self._chief_only_verbosity(kwargs))
+        arguments = self._prepared_inputs(keras.Model.evaluate, args, kwargs, ("x",))
+        with self._naming_lost_workers(), self._distributing_inputs(["evaluate"], arguments):
+            return super().evaluate(**self._chief_only_verbosity(arguments))
 
     def predict(self, *args, **kwargs):
         """Predicts, exactly as `keras.Model.predict`: every worker gets all rows in input order."""
-        with self._naming_lost_workers():
-            return super().predict(*args, **self._chief_only_verbosity(kwargs))
+        arguments = self._prepared_inputs(keras.Model.predict, args, kwargs, ("x",))
+        with self._naming_lost_workers(), self._distributing_inputs(["predict"], arguments):
+            return super().predict(**self._chief_only_verbosity(arguments))
+
+    def _prepared_inputs(self, method, args, kwargs, names):
+        """Binds `method`'s arguments by name, with each input in `names` prepared for the strategy."""
+        bound = inspect.signature(method).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = {**bound.arguments, **bound.arguments.pop("kwargs", {})}
+        del arguments["self"]
+        for name in names:
+            value = arguments.get(name)
+            if value is None:
+                continue
+            batch_size = arguments.get("batch_size") if name == "x" else arguments.get("validation_batch_size")
+            usage = "validation" if name == "validation_data" else method.__name__
+            if isinstance(value, tuple) and name == "validation_data":
+                arguments[name] = (self._prepare(value[0], batch_size, usage), *value[1:])
+            else:
+                arguments[name] = self._prepare(value, batch_size, usage)
+        return arguments
+
+    def _prepare(self, x, batch_size, usage):
+        strategy = self._distribute_strategy
+        if isinstance(x, data_creator.DatasetCreator):
+            plan = data_distribute.InputPlan(
+                usage, "DatasetCreator", _plan.cluster_info_of(strategy).num_workers,
+                strategy.num_replicas_in_sync, "off", None, "the input function shards itself", None, None,
+            )
+            self.input_plan = plan
+            data_distribute.announce(plan, strategy)
+        return data_inputs.prepare(x, strategy=strategy, model=self, batch_size=batch_size)
+
+    @contextlib.contextmanager
+    def _distributing_inputs(self, usages, arguments):
+        """Routes Keras' `experimental_distribute_dataset` calls through `keras_dist.data`.
+
+        Keras' TensorFlow trainer hands every input pipeline it builds (training,
+        validation, evaluation, prediction) to the strategy's
+        `experimental_distribute_dataset`; for the duration of one call the
+        model's own strategy object sends them through `distribute_dataset`,
+        which chooses the auto-shard policy and records the input plan.
+        """
+        strategy = self._distribute_strategy
+        if strategy.num_replicas_in_sync == 1:
+            yield
+            return
+        sources = [arguments.get("x"), arguments.get("validation_data")]
+        batch_sizes = [arguments.get("batch_size"), arguments.get("validation_batch_size") or arguments.get("batch_size")]
+        keras_default_batch_size = 32  # What Keras batches arrays by when `batch_size` is None.
+        calls = iter(range(len(usages)))
+        previous = strategy.__dict__.get("experimental_distribute_dataset")
+        original = type(strategy).experimental_distribute_dataset.__get__(strategy)
+
+        def distribute(dataset, options=None):
+            index = min(next(calls, len(usages) - 1), len(usages) - 1)
+            source = sources[index]
+            if isinstance(source, tuple):
+                source = source[0]
+            distributed, plan = data_distribute.distribute_dataset(
+                strategy,
+                dataset,
+                usage=usages[index],
+                source=data_distribute.describe_source(source),
+                distribute=lambda d: original(d, options=options),
+                auto_shard_policy=self.auto_shard_policy,
+                batch_size=batch_sizes[index] or (None if _is_dataset(source) else keras_default_batch_size),
+            )
+            self.input_plan = plan
+            data_distribute.announce(plan, strategy)
+            return distributed
+
+        strategy.experimental_distribute_dataset = distribute
+        try:
+            yield
+        finally:
+            if previous is None:
+                del strategy.experimental_distribute_dataset
+            else:
+                strategy.experimental_distribute_dataset = previous
 
     def _chief_only_verbosity(self, kwargs):
         if variables.is_multi_worker(self._distribute_strategy) and not _plan.is_chief(
@@ -357,6 +462,10 @@ class DistributedModel(keras.Model):
             with self._distribute_strategy.scope():
                 steps.symbolic_build_from_spec(self, data_batch)
         self._distribute_state()
+
+
+def _is_dataset(x):
+    return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or hasattr(x, "__next__")
 
 
 def _functional_class(cls):

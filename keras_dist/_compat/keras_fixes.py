@@ -149,6 +149,17 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="generator_batch_copies",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/trainers/data_adapters/generator_data_adapter.py (peek_and_restore; no upstream report found)",
+            symptom="A Python generator that yields views of a buffer it refills loses and repeats "
+            "examples: Keras keeps the first batches it peeks at (to learn shapes) by reference, and "
+            "later batches overwrite them before they are used.",
+            remedy="fit/evaluate/predict copy each NumPy array a generator yields, as it is yielded.",
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="multi_worker_output_reduction",
             package="keras",
             affected=">=3.0",

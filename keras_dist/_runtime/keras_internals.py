@@ -20,6 +20,7 @@ __all__ = [
     "unscale_loss_for_distribution",
     "dataset_element_spec",
     "functional_structure",
+    "get_data_adapter",
     "get_random_seed",
 ]
 
@@ -55,3 +56,12 @@ def dataset_element_spec(epoch_iterator):
         Nested structure of `tf.TensorSpec` (batch dimension first, usually `None`).
     """
     return epoch_iterator.data_adapter.get_tf_dataset().element_spec
+
+
+def get_data_adapter(x, y=None, sample_weight=None, batch_size=None, steps=None):
+    """Returns Keras' data adapter for `(x, y, sample_weight)`, as `evaluate` builds it (no shuffle)."""
+    from keras.src.trainers.data_adapters import get_data_adapter as keras_get_data_adapter
+
+    return keras_get_data_adapter(
+        x, y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps, shuffle=False
+    )

@@ -45,7 +45,7 @@ class Plan:
         )
 
 
-def _cluster_info(strategy):
+def cluster_info_of(strategy):
     """Returns the `ClusterInfo` of the cluster `strategy` was created for (`LOCAL` without one)."""
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None or not resolver.task_type:
@@ -71,12 +71,12 @@ def is_chief(strategy=None):
     """
     if strategy is None:
         return _cluster.cluster_from_environment().is_chief
-    return _cluster_info(strategy).is_chief
+    return cluster_info_of(strategy).is_chief
 
 
 def describe(strategy):
     """Returns the `Plan` of `strategy` for this process."""
-    info = _cluster_info(strategy)
+    info = cluster_info_of(strategy)
     return Plan(
         strategy=type(strategy).__name__.lstrip("_"),
         num_workers=info.num_workers,

@@ -1,0 +1,131 @@
+"""What a `tf.data.Dataset` reads, and how TensorFlow splits its batches over replicas.
+
+Private: walks the Python objects of a tf.data pipeline (`_inputs()`,
+`_map_func`, `_filenames`), which TensorFlow does not document, and mirrors
+`tf.distribute`'s batch-splitting rule. `keras_dist.data` asks these questions
+to choose an auto-shard policy and to print the input plan.
+"""
+
+import tensorflow as tf
+
+# Dataset ops that read files; TensorFlow's FILE auto-sharding looks for the same ones
+# (tensorflow/core/grappler/optimizers/data/auto_shard.cc, kReaderDatasetOps).
+READER_OPS = frozenset(
+    {
+        "TFRecordDataset",
+        "TFRecordDatasetV2",
+        "FixedLengthRecordDataset",
+        "FixedLengthRecordDatasetV2",
+        "TextLineDataset",
+        "ArrayRecordDataset",
+        "SSTableDataset",
+        "RecordIODataset",
+    }
+)
+_READER_CLASSES = frozenset({"TFRecordDatasetV2", "TextLineDatasetV2", "FixedLengthRecordDatasetV2"})
+_MAX_FILES_COUNTED = 1_000_000
+
+
+def _inputs(dataset):
+    try:
+        return list(dataset._inputs())
+    except (AttributeError, NotImplementedError):
+        return []
+
+
+def _function_reads_files(wrapper):
+    """Returns whether a traced tf.data function (or one it calls) creates a reader dataset."""
+    graph_def = wrapper.function.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return any(node.op in READER_OPS for node in nodes)
+
+
+def filenames_dataset(dataset):
+    """Returns the dataset of file names `dataset` reads, or `None` when it reads no files.
+
+    Recognizes readers made directly (`tf.data.TFRecordDataset(files)`) and
+    inside `interleave`/`flat_map` over a dataset of file names (the
+    `list_files(...).interleave(tf.data.TFRecordDataset)` idiom, and TFDS).
+
+    Args:
+        dataset: A `tf.data.Dataset`.
+
+    Returns:
+        A `tf.data.Dataset` of scalar strings, or `None`.
+    """
+    pending = [dataset]
+    while pending:
+        node = pending.pop()
+        if type(node).__name__ in _READER_CLASSES and hasattr(node, "_filenames"):
+            return node._filenames
+        map_func = getattr(node, "_map_func", None)
+        source = getattr(node, "_input_dataset", None)
+        if map_func is not None and source is not None and _function_reads_files(map_func):
+            return source
+        pending.extend(_inputs(node))
+    return None
+
+
+def count_files(filenames):
+    """Returns how many file names the dataset `filenames` holds (`None` if unbounded).
+
+    Raises:
+        tf.errors.OpError: Listing the files failed (e.g. a bad glob).
+    """
+    cardinality = int(filenames.cardinality())
+    if cardinality >= 0:
+        return cardinality
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        return None
+    count = filenames.take(_MAX_FILES_COUNTED).reduce(tf.constant(0, tf.int64), lambda n, _: n + 1)
+    count = int(count)
+    return None if count == _MAX_FILES_COUNTED else count
+
+
+def static_batch_size(dataset):
+    """Returns the leading dimension shared by every component of an element, or `None`."""
+    sizes = {
+        spec.shape[0] if spec.shape.rank else None
+        for spec in tf.nest.flatten(dataset.element_spec)
+        if isinstance(spec, tf.TensorSpec)
+    }
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def replica_batch_sizes(global_batch_size, num_replicas):
+    """Returns the per-replica split of one global batch, as `tf.distribute` makes it.
+
+    `experimental_distribute_dataset` gives each of the `num_replicas` replicas
+    `global_batch_size // num_replicas` examples and one more to the first
+    `global_batch_size % num_replicas` of them (`distribute.batch_sizes_for_worker`
+    in tensorflow/python/data/experimental/ops/distribute.py).
+
+    Args:
+        global_batch_size: Integer, examples per step over all replicas.
+        num_replicas: Integer, `num_replicas_in_sync`.
+
+    Returns:
+        Tuple of `num_replicas` integers summing to `global_batch_size`.
+    """
+    base, extra = divmod(global_batch_size, num_replicas)
+    return tuple(base + 1 if i < extra else base for i in range(num_replicas))
+
+
+def batch_size_of(dataset):
+    """Returns the batch size `tf.distribute` will split, or `None` when it cannot tell.
+
+    Uses the same search as `experimental_distribute_dataset` (the last `batch`
+    in the pipeline, `distribute.compute_batch_size`), so datasets batched
+    before a `map` and Keras' own array pipelines are recognized.
+    """
+    from tensorflow.python.data.experimental.ops import distribute as data_distribute
+
+    try:
+        size = int(data_distribute.compute_batch_size(dataset))
+    except (tf.errors.OpError, ValueError, TypeError, IndexError):  # unbatched elements
+        size = -1
+    if size < 0:
+        size = static_batch_size(dataset)
+    return size

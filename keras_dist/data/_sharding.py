@@ -1,0 +1,161 @@
+"""Choosing the `tf.data` auto-shard policy that splits an input across workers.
+
+Under `MultiWorkerMirroredStrategy` every worker builds the same input
+pipeline and `tf.distribute` rewrites it so that each worker keeps its share
+(TF guide "Distributed input", section "Sharding"):
+
+- FILE: each worker reads a disjoint subset of the files. Cheapest, but needs
+  at least one file per worker (TensorFlow fails on worker 0 otherwise,
+  shared/cases 23).
+- DATA: each worker reads everything and keeps every `num_workers`-th batch
+  part. Always possible; costs each worker a full read of the input.
+- OFF: no sharding; the pipeline must shard itself (e.g. with
+  `tf.distribute.InputContext`), or every worker sees every example.
+"""
+
+import dataclasses
+import warnings
+
+import tensorflow as tf
+
+from keras_dist import errors
+from keras_dist._runtime import datasets as runtime_datasets
+
+AUTO_SHARD_POLICIES = ("auto", "file", "data", "off")
+_TF_POLICIES = {
+    "auto": tf.data.experimental.AutoShardPolicy.AUTO,
+    "file": tf.data.experimental.AutoShardPolicy.FILE,
+    "data": tf.data.experimental.AutoShardPolicy.DATA,
+    "off": tf.data.experimental.AutoShardPolicy.OFF,
+}
+_NAMES = {policy: name for name, policy in _TF_POLICIES.items()}
+_WARNED = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingDecision:
+    """The auto-shard policy chosen for one input, and why.
+
+    Attributes:
+        auto_shard_policy: String, `"file"`, `"data"` or `"off"` (never `"auto"`).
+        num_files: Integer number of files the input reads, or `None` when it
+            reads none (in-memory arrays, generators) or could not be counted.
+        reason: String, one sentence for the plan.
+        explicit: Boolean, whether the user chose the policy (no warning then).
+    """
+
+    auto_shard_policy: str
+    num_files: object
+    reason: str
+    explicit: bool = False
+
+
+def validate_auto_shard_policy(policy):
+    """Returns `policy` lower-cased after checking it is a known policy name.
+
+    Raises:
+        ValueError: `policy` is not one of `"auto"`, `"file"`, `"data"`, `"off"`.
+    """
+    if isinstance(policy, tf.data.experimental.AutoShardPolicy):
+        return _NAMES[policy]
+    if not isinstance(policy, str) or policy.lower() not in AUTO_SHARD_POLICIES:
+        raise ValueError(
+            f"`auto_shard_policy` must be one of {AUTO_SHARD_POLICIES} (or a "
+            f"tf.data.experimental.AutoShardPolicy). Received: auto_shard_policy={policy!r}."
+        )
+    return policy.lower()
+
+
+def dataset_auto_shard_policy(dataset):
+    """Returns the policy set in `dataset`'s `tf.data.Options`, as a string (`"auto"` if unset)."""
+    return _NAMES[dataset.options().experimental_distribute.auto_shard_policy]
+
+
+def choose_auto_shard_policy(dataset, num_workers, requested="auto"):
+    """Chooses how `dataset` is split across `num_workers` workers.
+
+    The rule: a policy set by the user (`requested`, else the dataset's own
+    options) is kept, except FILE with fewer files than workers, which
+    cannot work and becomes DATA. With AUTO, FILE is chosen when the dataset
+    reads at least one file per worker, DATA otherwise.
+
+    Args:
+        dataset: A `tf.data.Dataset`, as `fit` would receive it.
+        num_workers: Integer, worker processes in the cluster.
+        requested: String policy from `DistributedModel(auto_shard_policy=...)`;
+            `"auto"` defers to the dataset's options. Defaults to `"auto"`.
+
+    Returns:
+        A `ShardingDecision`.
+
+    Raises:
+        ValueError: `requested` is not a policy name.
+    """
+    requested = validate_auto_shard_policy(requested)
+    policy = requested if requested != "auto" else dataset_auto_shard_policy(dataset)
+    if policy in ("data", "off"):
+        reason = {
+            "data": "set by the user or by Keras for in-memory data",
+            "off": "set by the user: the pipeline must shard itself",
+        }[policy]
+        return ShardingDecision(policy, None, reason, explicit=True)
+    num_files = _count_files(dataset)
+    if num_files is not None and num_files >= num_workers:
+        return ShardingDecision("file", num_files, f"{num_files} files for {num_workers} workers")
+    if num_files is None:
+        reason = "the input reads no files (in-memory data or a generator)"
+    else:
+        reason = f"FILE sharding needs at least one file per worker; {num_files} file(s) for {num_workers} workers"
+    return ShardingDecision("data", num_files, reason)
+
+
+def _count_files(dataset):
+    filenames = runtime_datasets.filenames_dataset(dataset)
+    return None if filenames is None else runtime_datasets.count_files(filenames)
+
+
+def warn_once(decision, num_workers):
+    """Warns, once per process and reason, when workers must read all of a file-based input.
+
+    Reading in-memory data in full on each worker is what Keras does anyway,
+    so DATA for inputs without files is reported in the plan, not warned about.
+    """
+    if decision.explicit or decision.auto_shard_policy != "data" or decision.num_files is None:
+        return
+    if decision.reason in _WARNED:
+        return
+    _WARNED.add(decision.reason)
+    warnings.warn(
+        f"Sharding the input by DATA: {decision.reason}. Each of the {num_workers} workers reads "
+        f"all {decision.num_files} file(s) and keeps 1/{num_workers} of the examples, so input "
+        f"reading costs {num_workers}x what FILE sharding would. Every example is still used once "
+        f"per epoch. Fix: write the data as at least {num_workers} files (several per worker is "
+        "better), or set auto_shard_policy='data' to say this is intended.",
+        errors.KerasDistWarning,
+        stacklevel=2,
+    )
+
+
+def with_auto_shard_policy(dataset, policy):
+    """Returns `dataset` with its auto-shard policy option set to `policy`.
+
+    Args:
+        dataset: A `tf.data.Dataset`.
+        policy: String, one of `"auto"`, `"file"`, `"data"`, `"off"`.
+
+    Returns:
+        A `tf.data.Dataset` with the same elements.
+
+    Raises:
+        ValueError: `policy` is not a policy name.
+
+    Example:
+    >>> import tensorflow as tf
+    >>> from keras_dist.data import with_auto_shard_policy
+    >>> ds = with_auto_shard_policy(tf.data.Dataset.range(4), "data")
+    >>> ds.options().experimental_distribute.auto_shard_policy.name
+    'DATA'
+    """
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = _TF_POLICIES[validate_auto_shard_policy(policy)]
+    return dataset.with_options(options)

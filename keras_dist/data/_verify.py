@@ -1,0 +1,218 @@
+"""`verify_sharding`: which examples each worker and replica gets in one epoch."""
+
+import collections
+import dataclasses
+import itertools
+import types
+
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from keras_dist._runtime import keras_internals as ki
+from keras_dist.data import _creator, _distribute, _inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingReport:
+    """What one epoch of an input looks like once distributed.
+
+    Attributes:
+        plan: The `InputPlan` the input was distributed with.
+        examples_per_worker: Tuple of integers, examples each worker received.
+        examples_per_replica: Tuple of integers, examples each replica
+            received (`replica_id_in_sync_group` order).
+        num_examples: Integer, examples received by all replicas together.
+        expected_num_examples: Integer, examples in one undistributed pass
+            (`None` for a `DatasetCreator`, which has no undistributed form).
+        num_duplicated: Integer, examples received more often than they occur
+            in the undistributed pass.
+        num_missing: Integer, examples of the undistributed pass never received.
+    """
+
+    plan: object
+    examples_per_worker: tuple
+    examples_per_replica: tuple
+    num_examples: int
+    expected_num_examples: object
+    num_duplicated: int
+    num_missing: int
+
+    @property
+    def every_example_once(self):
+        """Boolean: every example of the input was received exactly once."""
+        return self.num_duplicated == 0 and self.num_missing == 0
+
+    def __str__(self):
+        expected = "" if self.expected_num_examples is None else f" of {self.expected_num_examples}"
+        verdict = "every example once" if self.every_example_once else (
+            f"NOT every example once: {self.num_duplicated} duplicated, {self.num_missing} missing"
+        )
+        return "\n".join(
+            [
+                str(self.plan),
+                f"  examples per worker:  {', '.join(map(str, self.examples_per_worker))}",
+                f"  examples per replica: {', '.join(map(str, self.examples_per_replica))}",
+                f"  one epoch:            {self.num_examples}{expected} examples, {verdict}",
+            ]
+        )
+
+
+def verify_sharding(
+    x, y=None, *, batch_size=None, example_id=None, strategy=None, auto_shard_policy="auto", steps=None
+):
+    """Runs one epoch of an input through the strategy and counts who got which example.
+
+    The input is distributed exactly as `DistributedModel.fit` distributes it
+    (same Keras data adapter, same auto-shard decision), then every replica's
+    example ids are gathered and compared with one undistributed pass.
+
+    Args:
+        x: Anything `fit` accepts as `x`: NumPy arrays (or dicts of them), a
+            `tf.data.Dataset`, a Python generator, a `keras.utils.PyDataset`,
+            or a `keras_dist.data.DatasetCreator`.
+        y: Optional targets, as for `fit`.
+        batch_size: Integer global batch size for arrays (Keras' default 32).
+        example_id: Optional callable taking one global or per-replica batch
+            `x` (as in the dataset's elements; the first element of `(x, y)`
+            tuples) and returning an int64 tensor of shape `(batch_size,)`
+            identifying each example. Defaults to a 64-bit fingerprint of each
+            row of the first input (identical rows then count as one example
+            seen twice; pass `example_id` when rows can repeat).
+        strategy: A `tf.distribute.Strategy`; defaults to
+            `keras_dist.resolve_strategy("auto")`.
+        auto_shard_policy: String, `"auto"`, `"file"`, `"data"` or `"off"`, as
+            for `DistributedModel`. Defaults to `"auto"`.
+        steps: Integer steps in the epoch, for infinite inputs.
+
+    Returns:
+        A `ShardingReport` (identical on every worker).
+
+    Raises:
+        ValueError: `auto_shard_policy` is unknown, or Keras rejects the input.
+
+    Distributed behavior:
+        Collective: under multi-worker training every worker must call it with
+        the same arguments. A generator is consumed: pass a fresh one.
+
+    Example:
+    >>> import numpy as np, keras_dist
+    >>> from keras_dist.data import verify_sharding
+    >>> report = verify_sharding(np.arange(37.0)[:, None], batch_size=8)
+    >>> report.num_examples, report.every_example_once
+    (37, True)
+    """
+    from keras_dist.strategy import resolve_strategy
+
+    strategy = strategy or resolve_strategy("auto")
+    example_id = example_id or _fingerprint_rows
+    source = _distribute.describe_source(x)
+    reference_ids = None
+    if isinstance(x, _creator.DatasetCreator):
+        distributed = strategy.distribute_datasets_from_function(x, options=x.input_options)
+        plan = _distribute.InputPlan(
+            "verify_sharding", "DatasetCreator", _num_workers(strategy), strategy.num_replicas_in_sync,
+            "off", None, "the input function shards itself", None, None,
+        )
+    else:
+        make_dataset = _dataset_factory(x, y, strategy=strategy, batch_size=batch_size, steps=steps)
+        reference_ids = collections.Counter(_ids_of_dataset(make_dataset(), example_id))
+        dataset = make_dataset()
+        distributed, plan = _distribute.distribute_dataset(
+            strategy, dataset, usage="verify_sharding", source=source,
+            distribute=strategy.experimental_distribute_dataset, auto_shard_policy=auto_shard_policy,
+            batch_size=batch_size,
+        )
+    ids, replicas = _gather_ids(strategy, distributed, example_id, steps)
+    return _report(plan, strategy, ids, replicas, reference_ids)
+
+
+def _num_workers(strategy):
+    from keras_dist.strategy import _plan
+
+    return _plan.cluster_info_of(strategy).num_workers
+
+
+def _first_input(batch):
+    if isinstance(batch, tuple):
+        batch = batch[0]
+    return next(leaf for leaf in tree.flatten(batch) if leaf is not None)
+
+
+def _fingerprint_rows(x):
+    rows = _first_input(x)
+    rows = tf.reshape(rows, [tf.shape(rows)[0], -1])
+    if rows.dtype == tf.string:
+        rows = tf.strings.to_hash_bucket_fast(tf.strings.reduce_join(rows, axis=1), 2**62)
+        return tf.cast(rows, tf.int64)
+    fingerprints = tf.fingerprint(tf.bitcast(tf.cast(rows, tf.float64), tf.uint8))
+    return tf.bitcast(fingerprints, tf.int64)
+
+
+def _dataset_factory(x, y, *, strategy, batch_size, steps):
+    """Returns a function making the undistributed dataset of one epoch, as often as needed."""
+
+    def adapt(inputs):
+        prepared = _inputs.prepare(inputs, strategy=strategy, model=None, batch_size=batch_size)
+        dataset = ki.get_data_adapter(prepared, y, batch_size=batch_size, steps=steps).get_tf_dataset()
+        return dataset if steps is None else dataset.take(steps)
+
+    if isinstance(x, types.GeneratorType):  # Consumed once: keep its batches for both passes.
+        batches = list(itertools.islice(x, steps) if steps else x)
+        return lambda: adapt(batch for batch in batches)
+    dataset = adapt(x)
+    return lambda: dataset
+
+
+def _ids_of_dataset(dataset, example_id):
+    ids = []
+    for batch in dataset:
+        ids.extend(np.asarray(example_id(_unwrap(batch))).reshape(-1).tolist())
+    return ids
+
+
+def _unwrap(batch):
+    return tree.map_structure(lambda v: v.get_value() if isinstance(v, tf.experimental.Optional) else v, batch)
+
+
+def _gather_ids(strategy, distributed, example_id, steps):
+    def replica_fn(batch):
+        ids = tf.cast(tf.reshape(example_id(batch), [-1]), tf.int64)
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return ids, tf.fill(tf.shape(ids), tf.cast(replica, tf.int64))
+
+    @tf.function
+    def step(batch):
+        ids, replicas = strategy.run(replica_fn, args=(batch,))
+        return strategy.gather(ids, axis=0), strategy.gather(replicas, axis=0)
+
+    all_ids, all_replicas = [], []
+    for index, batch in enumerate(distributed):
+        if steps is not None and index >= steps:
+            break
+        ids, replicas = step(batch)
+        all_ids.extend(ids.numpy().tolist())
+        all_replicas.extend(replicas.numpy().tolist())
+    return all_ids, all_replicas
+
+
+def _report(plan, strategy, ids, replicas, reference_ids):
+    num_replicas = strategy.num_replicas_in_sync
+    per_replica = np.bincount(np.asarray(replicas, dtype=np.int64), minlength=num_replicas)[:num_replicas]
+    per_worker = per_replica.reshape(plan.num_workers, -1).sum(axis=1)
+    received = collections.Counter(ids)
+    if reference_ids is None:
+        duplicated = sum(count - 1 for count in received.values() if count > 1)
+        missing = 0
+    else:
+        duplicated = sum((received - reference_ids).values())
+        missing = sum((reference_ids - received).values())
+    return ShardingReport(
+        plan=plan,
+        examples_per_worker=tuple(int(v) for v in per_worker),
+        examples_per_replica=tuple(int(v) for v in per_replica),
+        num_examples=len(ids),
+        expected_num_examples=None if reference_ids is None else sum(reference_ids.values()),
+        num_duplicated=duplicated,
+        num_missing=missing,
+    )
