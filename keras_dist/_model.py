@@ -260,7 +260,8 @@ class DistributedModel(keras.Model):
         """Binds `method`'s arguments by name, with each input in `names` prepared for the strategy."""
         bound = inspect.signature(method).bind(self, *args, **kwargs)
         bound.apply_defaults()
-        arguments = {**bound.arguments, **bound.arguments.pop("kwargs", {})}
+        extra = bound.arguments.pop("kwargs", {})
+        arguments = {**bound.arguments, **extra}
         del arguments["self"]
         for name in names:
             value = arguments.get(name)

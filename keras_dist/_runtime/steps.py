@@ -10,6 +10,8 @@ import warnings
 import tensorflow as tf
 from keras import tree
 
+from tensorflow.python.distribute.values import PerReplicaSpec
+
 from keras_dist._runtime import keras_internals as ki
 
 
@@ -97,10 +99,17 @@ def symbolic_build_from_spec(model, element_spec):
         model: The `keras.Model`.
         element_spec: Nested `tf.TensorSpec` structure of one global batch.
     """
-    spec = tree.map_structure(
-        lambda s: None if isinstance(s, tf.OptionalSpec) else s, element_spec
-    )
+    spec = tf.nest.map_structure(_one_replica_spec, element_spec, expand_composites=False)
     model._symbolic_build(data_batch=spec)
+
+
+def _one_replica_spec(spec):
+    """Returns the spec a model is built from: `None` for absent parts, one replica's for `PerReplicaSpec`."""
+    if isinstance(spec, tf.OptionalSpec):
+        return None
+    if isinstance(spec, PerReplicaSpec):  # From a distributed dataset (e.g. a DatasetCreator).
+        return spec._value_specs[0]
+    return spec
 
 
 def maybe_symbolic_build(model, iterator=None, data_batch=None):

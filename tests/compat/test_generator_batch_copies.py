@@ -1,0 +1,26 @@
+"""A generator yielding views of one refilled buffer must still give every example once."""
+
+import keras_dist
+import pytest
+from keras_dist import _compat
+
+import sharding_workload
+
+pytestmark = pytest.mark.compat
+
+
+def _counts(strategy, tmp_path):
+    return sharding_workload.seen_counts(
+        keras_dist.DistributedModel, "generator_views", str(tmp_path), strategy=strategy
+    )
+
+
+def test_without_fix_examples_are_lost_and_repeated(mirrored_1x2_cpu, tmp_path):
+    with _compat.disabled("generator_batch_copies"):
+        counts = _counts(mirrored_1x2_cpu, tmp_path)
+    total = counts.sum(axis=0)
+    assert (total == 0).any() and (total > 1).any(), total
+
+
+def test_with_fix_every_example_once(mirrored_1x2_cpu, tmp_path):
+    sharding_workload.assert_each_example_once(_counts(mirrored_1x2_cpu, tmp_path), "generator_views")

@@ -1,0 +1,227 @@
+"""Inputs on one worker with N replicas: every example once, the plan, the auto-shard rule.
+
+The multi-worker half (2x1, 2x2, the 1-file TFRecord case) is in
+tests/integration/test_input_sharding.py.
+"""
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import keras_dist
+from keras_dist.data import DatasetCreator, verify_sharding, with_auto_shard_policy
+from keras_dist.data import _sharding
+from keras_dist.testing import max_weight_difference
+
+import sharding_workload
+
+KINDS_ONE_WORKER = [k for k in sharding_workload.INPUT_KINDS]
+
+
+@pytest.mark.parametrize("kind", KINDS_ONE_WORKER)
+def test_every_input_kind_sees_each_example_once_mirrored_1x2_cpu(kind, mirrored_1x2_cpu, tmp_path):
+    counts = sharding_workload.seen_counts(keras_dist.DistributedModel, kind, str(tmp_path), strategy=mirrored_1x2_cpu)
+    sharding_workload.assert_each_example_once(counts, kind)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "generator", "tfrecord_4_files"])
+def test_uneven_split_over_3_replicas_sees_each_example_once(kind, mirrored_1x3_cpu, tmp_path):
+    counts = sharding_workload.seen_counts(keras_dist.DistributedModel, kind, str(tmp_path), strategy=mirrored_1x3_cpu)
+    sharding_workload.assert_each_example_once(counts, kind)
+
+
+def test_input_plan_gives_global_and_per_replica_batch(mirrored_1x3_cpu, tmp_path):
+    model, _ = sharding_workload.build(keras_dist.DistributedModel, "numpy", strategy=mirrored_1x3_cpu)
+    x = sharding_workload.ids()
+    model.fit(x, x, batch_size=8, epochs=1, verbose=0)
+    plan = model.input_plan
+    assert (plan.usage, plan.source, plan.global_batch_size) == ("fit", "NumPy arrays", 8)
+    assert plan.per_replica_batch_sizes == (3, 3, 2)
+    assert plan.auto_shard_policy is None  # one worker: nothing to shard across workers
+    assert "8 examples, per replica: 3, 3, 2" in str(plan)
+    model.evaluate(tf.data.Dataset.from_tensor_slices((x, x)).batch(6), verbose=0)
+    assert (model.input_plan.usage, model.input_plan.global_batch_size) == ("evaluate", 6)
+
+
+def test_unbatched_dataset_without_batch_size_is_refused(mirrored_1x2_cpu):
+    model, _ = sharding_workload.build(keras_dist.DistributedModel, "dataset", strategy=mirrored_1x2_cpu)
+    x = sharding_workload.ids()
+    with pytest.raises(ValueError, match=r"yields single examples, not batches.*dataset.batch\(global_batch_size\)"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, x)), epochs=1, verbose=0)
+
+
+def test_unbatched_dataset_with_batch_size_trains_like_batched(mirrored_1x2_cpu):
+    x = np.random.RandomState(0).rand(37, 1).astype("float32")
+    models = []
+    for dataset, batch_size in [
+        (tf.data.Dataset.from_tensor_slices((x, 2 * x)).batch(8), None),
+        (tf.data.Dataset.from_tensor_slices((x, 2 * x)), 8),
+    ]:
+        inputs = keras.Input((1,))
+        model = keras_dist.DistributedModel(
+            inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs), strategy=mirrored_1x2_cpu
+        )
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(dataset, batch_size=batch_size, epochs=2, verbose=0)
+        models.append(model)
+    assert max_weight_difference(*models) < 1e-6
+
+
+def test_dataset_creator_matches_single_device(mirrored_1x2_cpu):
+    x = np.random.RandomState(1).rand(32, 2).astype("float32")
+    y = x @ np.array([[1.0], [-1.0]], "float32")
+
+    def dataset_fn(input_context):
+        batch = input_context.get_per_replica_batch_size(8)
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+    def build(model_class, **kwargs):
+        inputs = keras.Input((2,))
+        model = model_class(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    reference = build(keras.Model)
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model = build(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
+    model.fit(DatasetCreator(dataset_fn), epochs=2, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-6
+    assert model.input_plan.source == "DatasetCreator"
+
+
+def test_dataset_creator_rejects_non_callables_and_non_datasets():
+    with pytest.raises(TypeError, match="must be a callable"):
+        DatasetCreator([1, 2])
+    with pytest.raises(TypeError, match="must return a tf.data.Dataset. Received: list"):
+        DatasetCreator(lambda context: [1, 2])(tf.distribute.InputContext())
+
+
+def _OfPredictions(metric_class):
+    class OfPredictions(metric_class):
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            return super().update_state(y_pred, sample_weight=sample_weight)
+
+    return OfPredictions
+
+
+@pytest.mark.parametrize("num_examples", [1, 2, 5, 37])
+def test_evaluate_and_predict_exact_on_any_size(num_examples, mirrored_1x3_cpu):
+    """Sizes below the replica count included: sums, counts, means equal one device's; rows in order."""
+    rs = np.random.RandomState(num_examples)
+    x = rs.rand(num_examples, 3).astype("float32")
+    y = rs.randint(0, 2, (num_examples, 1)).astype("float32")
+
+    def build(model_class, **kwargs):
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(1, activation="sigmoid", kernel_initializer="glorot_uniform")(inputs)
+        model = model_class(inputs, outputs, **kwargs)
+        model.set_weights([np.full((3, 1), 0.3, "float32"), np.array([-0.2], "float32")])
+        metrics = ["accuracy", "mae", _OfPredictions(keras.metrics.Sum)(name="sum"), _OfPredictions(keras.metrics.Mean)(name="mean")]
+        model.compile(loss="binary_crossentropy", metrics=metrics)
+        return model
+
+    reference = build(keras.Model)
+    model = build(keras_dist.DistributedModel, strategy=mirrored_1x3_cpu)
+    for batch_size in (4, 8):
+        expected = reference.evaluate(x, y, batch_size=batch_size, return_dict=True, verbose=0)
+        got = model.evaluate(x, y, batch_size=batch_size, return_dict=True, verbose=0)
+        for name, value in expected.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            model.predict(x, batch_size=batch_size, verbose=0), reference.predict(x, batch_size=batch_size, verbose=0),
+            rtol=1e-6,
+        )
+
+
+# --------------------------------------------------------------- the auto-shard rule
+def _tfrecord_dataset(tmp_path, num_files, pattern=False):
+    files = sharding_workload.write_tfrecords(str(tmp_path), num_files)
+    if pattern:
+        names = tf.data.Dataset.list_files(str(tmp_path / f"ids-{num_files}-*.tfrecord"), shuffle=False)
+    else:
+        names = tf.data.Dataset.from_tensor_slices(files)
+    return names.interleave(tf.data.TFRecordDataset, cycle_length=1).batch(4)
+
+
+@pytest.mark.parametrize(
+    "num_files, num_workers, policy",
+    [(1, 2, "data"), (2, 2, "file"), (4, 2, "file"), (3, 4, "data")],
+)
+def test_file_policy_needs_one_file_per_worker(tmp_path, num_files, num_workers, policy):
+    decision = _sharding.choose_auto_shard_policy(_tfrecord_dataset(tmp_path, num_files), num_workers)
+    assert (decision.auto_shard_policy, decision.num_files) == (policy, num_files)
+    if policy == "data":
+        assert f"{num_files} file(s) for {num_workers} workers" in decision.reason
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda files: tf.data.TFRecordDataset(files),
+        lambda files: tf.data.TFRecordDataset(files, num_parallel_reads=2).map(lambda r: r).batch(2),
+        lambda files: tf.data.Dataset.from_tensor_slices(files).interleave(tf.data.TFRecordDataset).batch(2),
+        lambda files: tf.data.Dataset.from_tensor_slices(files).shuffle(3).flat_map(tf.data.TFRecordDataset),
+        lambda files: tf.data.TextLineDataset(files).batch(2).prefetch(1),
+    ],
+    ids=["reader", "parallel_reads_map_batch", "interleave", "shuffle_flat_map", "text_lines"],
+)
+def test_files_are_counted_in_common_pipelines(tmp_path, make):
+    files = sharding_workload.write_tfrecords(str(tmp_path), 3)
+    assert _sharding.choose_auto_shard_policy(make(files), 2).num_files == 3
+
+
+def test_files_from_a_glob_are_counted(tmp_path):
+    assert _sharding.choose_auto_shard_policy(_tfrecord_dataset(tmp_path, 4, pattern=True), 2).num_files == 4
+
+
+def test_in_memory_data_is_sharded_by_data_without_files():
+    decision = _sharding.choose_auto_shard_policy(tf.data.Dataset.range(10).batch(2), 2)
+    assert (decision.auto_shard_policy, decision.num_files) == ("data", None)
+
+
+def test_user_choice_is_kept_except_impossible_file(tmp_path):
+    dataset = _tfrecord_dataset(tmp_path, 4)
+    assert _sharding.choose_auto_shard_policy(with_auto_shard_policy(dataset, "data"), 2).auto_shard_policy == "data"
+    assert _sharding.choose_auto_shard_policy(dataset, 2, requested="off").auto_shard_policy == "off"
+    one_file = with_auto_shard_policy(_tfrecord_dataset(tmp_path, 1), "file")
+    assert _sharding.choose_auto_shard_policy(one_file, 2).auto_shard_policy == "data"
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match=r"must be one of \('auto', 'file', 'data', 'off'\).*Received: auto_shard_policy='rows'"):
+        keras_dist.DistributedModel(auto_shard_policy="rows")
+
+
+# --------------------------------------------------------------- verify_sharding
+@pytest.mark.parametrize("kind", ["numpy", "dataset", "generator_views", "pydataset", "dataset_creator"])
+def test_verify_sharding_counts_every_example_once(kind, mirrored_1x2_cpu, tmp_path):
+    args, kwargs = sharding_workload.inputs_for(kind, str(tmp_path))
+    report = verify_sharding(
+        *args, batch_size=kwargs.get("batch_size"), strategy=mirrored_1x2_cpu,
+        example_id=lambda x: tf.cast(tf.reshape(x[0] if isinstance(x, tuple) else x, [-1]), tf.int64),
+    )
+    assert report.num_examples == 37 and report.every_example_once, str(report)
+    assert sum(report.examples_per_replica) == 37 and len(report.examples_per_replica) == 2
+    assert report.examples_per_worker == (37,)
+    assert "every example once" in str(report)
+
+
+def test_verify_sharding_finds_duplicates(mirrored_1x2_cpu):
+    """An input function that ignores its InputContext feeds every replica the same data."""
+
+    def dataset_fn(input_context):
+        return tf.data.Dataset.range(10).batch(5)
+
+    per_replica = tf.distribute.InputOptions(
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA
+    )
+    report = verify_sharding(DatasetCreator(dataset_fn, per_replica), strategy=mirrored_1x2_cpu, example_id=lambda x: x)
+    assert report.num_examples == 20 and report.num_duplicated == 10 and not report.every_example_once
+    assert "NOT every example once: 10 duplicated" in str(report)
+
+
+def test_verify_sharding_default_ids_fingerprint_rows(mirrored_1x2_cpu):
+    x = np.random.RandomState(0).rand(21, 3).astype("float32")
+    report = verify_sharding(x, batch_size=4, strategy=mirrored_1x2_cpu)
+    assert report.every_example_once and report.expected_num_examples == 21
