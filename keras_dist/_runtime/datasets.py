@@ -68,6 +68,26 @@ def filenames_dataset(dataset):
     return None
 
 
+def has_memory_cache_after_files(dataset):
+    """Returns whether an in-memory `cache()` sits between `dataset`'s file readers and its output.
+
+    TFDS adds one to small datasets (`ReadConfig(try_autocache=True)`).
+    Once such a cache is filled (any full pass over the dataset), TensorFlow's
+    FILE auto-shard rewrite still shards the file names but the shared cache
+    resource serves every example to every worker.
+    """
+    pending = [dataset]
+    while pending:
+        node = pending.pop()
+        if type(node).__name__ in _READER_CLASSES:
+            continue
+        filename = getattr(node, "_filename", None)
+        if "Cache" in type(node).__name__ and filename is not None and not bytes(filename.numpy()):
+            return filenames_dataset(node) is not None
+        pending.extend(_inputs(node))
+    return False
+
+
 def count_files(filenames):
     """Returns how many file names the dataset `filenames` holds (`None` if unbounded).
 

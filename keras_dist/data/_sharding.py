@@ -18,7 +18,7 @@ import warnings
 
 import tensorflow as tf
 
-from keras_dist import errors
+from keras_dist import _compat, errors
 from keras_dist._runtime import datasets as runtime_datasets
 
 AUTO_SHARD_POLICIES = ("auto", "file", "data", "off")
@@ -101,6 +101,12 @@ def choose_auto_shard_policy(dataset, num_workers, requested="auto"):
         return ShardingDecision(policy, None, reason, explicit=True)
     num_files = _count_files(dataset)
     if num_files is not None and num_files >= num_workers:
+        if _compat.is_active("file_sharding_memory_cache") and runtime_datasets.has_memory_cache_after_files(dataset):
+            reason = (
+                "the pipeline caches its files in memory (`cache()`, or TFDS' autocache), and a filled "
+                "cache would give every worker every example under FILE sharding"
+            )
+            return ShardingDecision("data", num_files, reason)
         return ShardingDecision("file", num_files, f"{num_files} files for {num_workers} workers")
     if num_files is None:
         reason = "the input reads no files (in-memory data or a generator)"
@@ -129,11 +135,20 @@ def warn_once(decision, num_workers):
         f"Sharding the input by DATA: {decision.reason}. Each of the {num_workers} workers reads "
         f"all {decision.num_files} file(s) and keeps 1/{num_workers} of the examples, so input "
         f"reading costs {num_workers}x what FILE sharding would. Every example is still used once "
-        f"per epoch. Fix: write the data as at least {num_workers} files (several per worker is "
-        "better), or set auto_shard_policy='data' to say this is intended.",
+        f"per epoch. Fix: {_fix_for(decision, num_workers)}, or set auto_shard_policy='data' to say "
+        "this is intended.",
         errors.KerasDistWarning,
         stacklevel=2,
     )
+
+
+def _fix_for(decision, num_workers):
+    if "cache" in decision.reason:
+        return (
+            "remove the in-memory cache, or with TFDS pass read_config=tfds.ReadConfig(try_autocache=False), "
+            "or read per worker with a keras_dist.data.DatasetCreator and tfds.ReadConfig(input_context=...)"
+        )
+    return f"write the data as at least {num_workers} files (several per worker is better)"
 
 
 def with_auto_shard_policy(dataset, policy):

@@ -1,0 +1,83 @@
+"""Worker script for tests/integration/test_input_sharding.py, started by `keras-dist launch`.
+
+Usage: sharding_worker.py OUT_DIR TFDS_DATA_DIR
+Trains one epoch on every input kind of tests/sharding_workload.py, then runs
+`verify_sharding` on TFDS and on a deliberately unsharded input. Writes
+OUT_DIR/<task_type>-<task_id>.json.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+import keras_dist  # keras_dist: joins the cluster before TensorFlow runs anything.
+
+import tensorflow as tf  # noqa: E402
+import tensorflow_datasets as tfds  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+import sharding_workload  # noqa: E402
+import tfds_local  # noqa: E402
+from keras_dist.data import DatasetCreator, verify_sharding  # noqa: E402
+
+
+def _by_id(batch):
+    return tf.cast(batch[1], tf.int64)
+
+
+def _tfds_pipeline(data_dir, read_config=None, batch_size=40, shuffle_files=False):
+    dataset = tfds.load(
+        tfds_local.DIGITS_NAME, split="train", data_dir=data_dir, read_config=read_config, shuffle_files=shuffle_files
+    )
+    return dataset.map(lambda e: (tf.cast(e["image"], tf.float32), e["id"])).batch(batch_size)
+
+
+def _reports(data_dir):
+    def tfds_fn(input_context):
+        config = tfds.ReadConfig(input_context=input_context)
+        return _tfds_pipeline(data_dir, config, input_context.get_per_replica_batch_size(40))
+
+    x = sharding_workload.ids()
+    checks = {
+        "tfds_load": lambda: verify_sharding(_tfds_pipeline(data_dir), example_id=_by_id),
+        "tfds_load_no_autocache": lambda: verify_sharding(
+            _tfds_pipeline(data_dir, tfds.ReadConfig(try_autocache=False)), example_id=_by_id
+        ),
+        "tfds_shuffle_files": lambda: verify_sharding(
+            _tfds_pipeline(data_dir, shuffle_files=True), example_id=_by_id
+        ),
+        "tfds_dataset_creator": lambda: verify_sharding(DatasetCreator(tfds_fn), example_id=_by_id),
+        "numpy_policy_off": lambda: verify_sharding(x, batch_size=8, auto_shard_policy="off"),
+    }
+    out = {}
+    for name, check in checks.items():
+        report = check()
+        out[name] = {
+            "policy": report.plan.auto_shard_policy,
+            "num_files": report.plan.num_files,
+            "per_worker": list(report.examples_per_worker),
+            "num_examples": report.num_examples,
+            "duplicated": report.num_duplicated,
+            "missing": report.num_missing,
+            "text": str(report),
+        }
+    return out
+
+
+def main(out_dir, data_dir):
+    info = keras_dist.cluster_info()
+    results = {"counts": {}, "errors": {}}
+    for kind in sharding_workload.INPUT_KINDS:
+        try:
+            counts = sharding_workload.seen_counts(keras_dist.DistributedModel, kind, out_dir, info.task_id)
+            results["counts"][kind] = counts.tolist()
+        except Exception:  # Recorded for the test's message; the other kinds still run.
+            results["errors"][kind] = traceback.format_exc()[-2000:]
+    results["reports"] = _reports(data_dir)
+    with open(os.path.join(out_dir, f"{info.task_type}-{info.task_id}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
