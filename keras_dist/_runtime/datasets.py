@@ -147,5 +147,28 @@ def batch_size_of(dataset):
     except (tf.errors.OpError, ValueError, TypeError, IndexError):  # unbatched elements
         size = -1
     if size < 0:
-        size = static_batch_size(dataset)
+        size = static_batch_size(dataset) or _batch_op_size(dataset)
     return size
+
+
+# Transformations that keep each element (a batch) a batch of the same size.
+_BATCH_PRESERVING = ("Map", "Prefetch", "Options", "Repeat", "Take", "Skip", "Cache", "Shuffle", "Filter",
+                     "AssertCardinality", "Ignore", "Apply", "MaxIntraOpParallelism", "PrivateThreadPool")
+
+
+def _batch_op_size(dataset):
+    """Returns the constant `batch_size` of the last `batch()` before `dataset`'s output, or `None`."""
+    node = dataset
+    while node is not None:
+        name = type(node).__name__
+        if "Batch" in name and "Rebatch" not in name and "Unbatch" not in name:
+            size = getattr(node, "_batch_size", None)
+            try:
+                return int(size) if size is not None and int(size) > 0 else None
+            except (TypeError, ValueError):
+                return None
+        if not any(kind in name for kind in _BATCH_PRESERVING):
+            return None
+        inputs = _inputs(node)
+        node = inputs[0] if len(inputs) == 1 else None
+    return None
