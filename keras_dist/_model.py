@@ -267,15 +267,18 @@ class DistributedModel(keras.Model):
             value = arguments.get(name)
             if value is None:
                 continue
-            batch_size = arguments.get("batch_size") if name == "x" else arguments.get("validation_batch_size")
+            if name == "validation_data":
+                batch_size, hint = arguments.get("validation_batch_size"), "validation_batch_size"
+            else:
+                batch_size, hint = arguments.get("batch_size"), "batch_size"
             usage = "validation" if name == "validation_data" else method.__name__
             if isinstance(value, tuple) and name == "validation_data":
-                arguments[name] = (self._prepare(value[0], batch_size, usage), *value[1:])
+                arguments[name] = (self._prepare(value[0], batch_size, usage, hint), *value[1:])
             else:
-                arguments[name] = self._prepare(value, batch_size, usage)
+                arguments[name] = self._prepare(value, batch_size, usage, hint)
         return arguments
 
-    def _prepare(self, x, batch_size, usage):
+    def _prepare(self, x, batch_size, usage, batch_size_argument):
         strategy = self._distribute_strategy
         if isinstance(x, data_creator.DatasetCreator):
             plan = data_distribute.InputPlan(
@@ -284,7 +287,9 @@ class DistributedModel(keras.Model):
             )
             self.input_plan = plan
             data_distribute.announce(plan, strategy)
-        return data_inputs.prepare(x, strategy=strategy, model=self, batch_size=batch_size)
+        return data_inputs.prepare(
+            x, strategy=strategy, model=self, batch_size=batch_size, batch_size_argument=batch_size_argument
+        )
 
     @contextlib.contextmanager
     def _distributing_inputs(self, usages, arguments):
@@ -292,34 +297,32 @@ class DistributedModel(keras.Model):
 
         Keras' TensorFlow trainer hands every input pipeline it builds (training,
         validation, evaluation, prediction) to the strategy's
-        `experimental_distribute_dataset`; for the duration of one call the
-        model's own strategy object sends them through `distribute_dataset`,
-        which chooses the auto-shard policy and records the input plan.
+        `experimental_distribute_dataset`, in that order; for the duration of one
+        call the model's own strategy object sends them through
+        `distribute_dataset`, which chooses the auto-shard policy and records the
+        input plan. Inputs already distributed (a `DatasetCreator`) skip it.
         """
         strategy = self._distribute_strategy
         if strategy.num_replicas_in_sync == 1:
             yield
             return
-        sources = [arguments.get("x"), arguments.get("validation_data")]
-        batch_sizes = [arguments.get("batch_size"), arguments.get("validation_batch_size") or arguments.get("batch_size")]
-        keras_default_batch_size = 32  # What Keras batches arrays by when `batch_size` is None.
-        calls = iter(range(len(usages)))
+        pending = list(_inputs_keras_distributes(usages, arguments))
         previous = strategy.__dict__.get("experimental_distribute_dataset")
         original = type(strategy).experimental_distribute_dataset.__get__(strategy)
 
         def distribute(dataset, options=None):
-            index = min(next(calls, len(usages) - 1), len(usages) - 1)
-            source = sources[index]
-            if isinstance(source, tuple):
-                source = source[0]
+            if len(pending) > 1:
+                usage, source, batch_size = pending.pop(0)
+            else:  # The last input (or an unforeseen one) keeps the last description.
+                usage, source, batch_size = pending[0] if pending else (usages[0], None, None)
             distributed, plan = data_distribute.distribute_dataset(
                 strategy,
                 dataset,
-                usage=usages[index],
+                usage=usage,
                 source=data_distribute.describe_source(source),
                 distribute=lambda d: original(d, options=options),
                 auto_shard_policy=self.auto_shard_policy,
-                batch_size=batch_sizes[index] or (None if _is_dataset(source) else keras_default_batch_size),
+                batch_size=batch_size,
             )
             self.input_plan = plan
             data_distribute.announce(plan, strategy)
@@ -463,6 +466,31 @@ class DistributedModel(keras.Model):
             with self._distribute_strategy.scope():
                 steps.symbolic_build_from_spec(self, data_batch)
         self._distribute_state()
+
+
+def _inputs_keras_distributes(usages, arguments):
+    """Yields `(usage, source, batch_size)` for each input Keras will distribute, in order."""
+    keras_default_batch_size = 32  # What Keras batches arrays by when `batch_size` is None.
+    x = arguments.get("x")
+    validation = arguments.get("validation_data")
+    if validation is None and arguments.get("validation_split"):
+        validation = x  # Keras slices the validation examples off the arrays.
+    candidates = [
+        (usages[0], x, arguments.get("batch_size")),
+        ("validation", validation, arguments.get("validation_batch_size") or arguments.get("batch_size")),
+    ]
+    for usage, source, batch_size in candidates[: len(usages)]:
+        if isinstance(source, tuple):
+            source = source[0]
+        if source is None or _is_distributed(source):
+            continue
+        yield usage, source, None if _is_dataset(source) else (batch_size or keras_default_batch_size)
+
+
+def _is_distributed(x):
+    return isinstance(x, (tf.distribute.DistributedDataset, data_creator.DatasetCreator)) or (
+        type(x).__module__.startswith("tensorflow") and "Distributed" in type(x).__name__
+    )
 
 
 def _is_dataset(x):

@@ -68,6 +68,40 @@ def filenames_dataset(dataset):
     return None
 
 
+# Transformations after the file readers under which FILE sharding keeps "each example once":
+# each applies per element or per batch, never to a position in the whole stream.
+_PER_ELEMENT = ("Map", "Filter", "Batch", "Prefetch", "Options", "Shuffle", "Repeat", "Cache", "Unbatch",
+                "AssertCardinality", "Ignore", "MaxIntraOpParallelism", "PrivateThreadPool", "Apply",
+                "Interleave", "FlatMap", "ParallelInterleave", "Parse", "Snapshot")
+
+
+def position_dependent_step(dataset):
+    """Returns the name of a transformation after the file readers that depends on stream position.
+
+    `take(n)`, `skip(n)`, `enumerate()`, `zip`, `window` and the like apply to
+    the whole stream on one device, but to each worker's own files under
+    FILE sharding: `take(3)` then keeps 3 examples per worker.
+
+    Returns:
+        String class name (e.g. `"_TakeDataset"`), or `None` when every step is per element.
+    """
+    pending = [dataset]
+    while pending:
+        node = pending.pop()
+        name = type(node).__name__
+        if name in _READER_CLASSES or _reads_files_here(node):
+            continue
+        if not any(kind in name for kind in _PER_ELEMENT):
+            return name
+        pending.extend(_inputs(node))
+    return None
+
+
+def _reads_files_here(node):
+    map_func = getattr(node, "_map_func", None)
+    return map_func is not None and getattr(node, "_input_dataset", None) is not None and _function_reads_files(map_func)
+
+
 def has_memory_cache_after_files(dataset):
     """Returns whether an in-memory `cache()` sits between `dataset`'s file readers and its output.
 

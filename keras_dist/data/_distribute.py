@@ -104,15 +104,20 @@ def distribute_dataset(strategy, dataset, *, usage, source, distribute, auto_sha
 
     Distributed behavior:
         Not a collective: every worker decides alone, from the same dataset
-        and cluster, so all workers decide the same.
+        and cluster, so all workers decide the same. Warnings are given on
+        the chief only.
     """
-    num_workers = _plan.cluster_info_of(strategy).num_workers
+    info = _plan.cluster_info_of(strategy)
+    num_workers = info.num_workers
     decision = None
     if num_workers > 1:
-        decision = _sharding.choose_auto_shard_policy(dataset, num_workers, auto_shard_policy)
+        decision = _sharding.choose_auto_shard_policy(
+            dataset, num_workers, auto_shard_policy, keep_order=usage == "predict"
+        )
         dataset = _sharding.with_auto_shard_policy(dataset, decision.auto_shard_policy)
-        _sharding.warn_once(decision, num_workers)
-        _warn_whole_generator_per_worker(decision, source, num_workers)
+        if info.is_chief:
+            _sharding.warn_once(decision, num_workers)
+            _warn_whole_generator_per_worker(decision, source, num_workers)
     global_batch_size = runtime_datasets.batch_size_of(dataset) or batch_size
     num_replicas = strategy.num_replicas_in_sync
     plan = InputPlan(

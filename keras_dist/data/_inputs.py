@@ -17,7 +17,7 @@ from keras_dist import _compat
 from keras_dist.data import _creator
 
 
-def prepare(x, *, strategy, model, batch_size):
+def prepare(x, *, strategy, model, batch_size, batch_size_argument="batch_size"):
     """Returns `x` in a form Keras distributes correctly under `strategy`.
 
     Args:
@@ -26,6 +26,8 @@ def prepare(x, *, strategy, model, batch_size):
         strategy: The model's `tf.distribute.Strategy`.
         model: The `keras.Model` (its input shapes tell batched from unbatched).
         batch_size: Integer global batch size the user passed, or `None`.
+        batch_size_argument: String, the name of the `fit` argument that sets
+            `batch_size` for this input (for the error message).
 
     Raises:
         ValueError: `x` is a dataset of single examples and no `batch_size` says
@@ -34,7 +36,7 @@ def prepare(x, *, strategy, model, batch_size):
     if isinstance(x, _creator.DatasetCreator):
         return strategy.distribute_datasets_from_function(x, options=x.input_options)
     if isinstance(x, tf.data.Dataset):
-        return _batch_if_unbatched(x, model, batch_size, strategy.num_replicas_in_sync)
+        return _batch_if_unbatched(x, model, batch_size, strategy.num_replicas_in_sync, batch_size_argument)
     if isinstance(x, types.GeneratorType) and _compat.is_active("generator_batch_copies"):
         return copy_batches(x)
     return x
@@ -52,7 +54,7 @@ def copy_batches(generator):
         yield keras.tree.map_structure(lambda v: np.array(v, copy=True) if isinstance(v, np.ndarray) else v, batch)
 
 
-def _batch_if_unbatched(dataset, model, batch_size, num_replicas):
+def _batch_if_unbatched(dataset, model, batch_size, num_replicas, batch_size_argument):
     expected = _input_ranks(model)
     if expected is None:
         return dataset
@@ -67,7 +69,7 @@ def _batch_if_unbatched(dataset, model, batch_size, num_replicas):
             f"{shapes}, model input ranks {expected} (batch first). Fix: batch it with "
             "`dataset.batch(global_batch_size)` (under "
             f"{num_replicas} replicas each gets global_batch_size / {num_replicas}), or pass "
-            "`batch_size=` to say the global batch size."
+            f"`{batch_size_argument}=` to say the global batch size."
         )
     return dataset.batch(batch_size)
 

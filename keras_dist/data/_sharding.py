@@ -71,19 +71,23 @@ def dataset_auto_shard_policy(dataset):
     return _NAMES[dataset.options().experimental_distribute.auto_shard_policy]
 
 
-def choose_auto_shard_policy(dataset, num_workers, requested="auto"):
+def choose_auto_shard_policy(dataset, num_workers, requested="auto", *, keep_order=False):
     """Chooses how `dataset` is split across `num_workers` workers.
 
     The rule: a policy set by the user (`requested`, else the dataset's own
-    options) is kept, except FILE with fewer files than workers, which
-    cannot work and becomes DATA. With AUTO, FILE is chosen when the dataset
-    reads at least one file per worker, DATA otherwise.
+    options) is kept, except FILE where it cannot give each example once,
+    which becomes DATA. With AUTO, FILE is chosen when the dataset reads at
+    least one file per worker and nothing after the files depends on stream
+    position (`take`, `skip`, `zip`, ...) or caches in memory; DATA otherwise.
+    `predict` (`keep_order=True`) always uses DATA, which keeps input order.
 
     Args:
         dataset: A `tf.data.Dataset`, as `fit` would receive it.
         num_workers: Integer, worker processes in the cluster.
         requested: String policy from `DistributedModel(auto_shard_policy=...)`;
             `"auto"` defers to the dataset's options. Defaults to `"auto"`.
+        keep_order: Boolean, whether results must come back in input order
+            (`predict`): FILE sharding reorders examples, DATA keeps them.
 
     Returns:
         A `ShardingDecision`.
@@ -101,6 +105,16 @@ def choose_auto_shard_policy(dataset, num_workers, requested="auto"):
         return ShardingDecision(policy, None, reason, explicit=True)
     num_files = _count_files(dataset)
     if num_files is not None and num_files >= num_workers:
+        if keep_order:
+            reason = "predict returns rows in input order; FILE sharding would reorder them"
+            return ShardingDecision("data", num_files, reason, explicit=True)
+        step = runtime_datasets.position_dependent_step(dataset)
+        if step is not None:
+            reason = (
+                f"the pipeline applies {step.strip('_').replace('Dataset', '')} after reading its files, which "
+                "FILE sharding would apply to each worker's files separately"
+            )
+            return ShardingDecision("data", num_files, reason)
         if _compat.is_active("file_sharding_memory_cache") and runtime_datasets.has_memory_cache_after_files(dataset):
             reason = (
                 "the pipeline caches its files in memory (`cache()`, or TFDS' autocache), and a filled "
@@ -120,13 +134,13 @@ def _count_files(dataset):
     return None if filenames is None else runtime_datasets.count_files(filenames)
 
 
-def warn_once(decision, num_workers):
+def warn_once(decision, num_workers, *, is_chief=True):
     """Warns, once per process and reason, when workers must read all of a file-based input.
 
     Reading in-memory data in full on each worker is what Keras does anyway,
     so DATA for inputs without files is reported in the plan, not warned about.
     """
-    if decision.explicit or decision.auto_shard_policy != "data" or decision.num_files is None:
+    if not is_chief or decision.explicit or decision.auto_shard_policy != "data" or decision.num_files is None:
         return
     if decision.reason in _WARNED:
         return
@@ -143,6 +157,8 @@ def warn_once(decision, num_workers):
 
 
 def _fix_for(decision, num_workers):
+    if "after reading its files" in decision.reason:
+        return "apply take/skip/zip before reading the files (on the file names), or use a DatasetCreator"
     if "cache" in decision.reason:
         return (
             "remove the in-memory cache, or with TFDS pass read_config=tfds.ReadConfig(try_autocache=False), "

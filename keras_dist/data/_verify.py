@@ -10,7 +10,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_dist._runtime import keras_internals as ki
-from keras_dist.data import _creator, _distribute, _inputs
+from keras_dist.data import _creator, _distribute, _inputs, _sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +73,15 @@ def verify_sharding(
             or a `keras_dist.data.DatasetCreator`.
         y: Optional targets, as for `fit`.
         batch_size: Integer global batch size for arrays (Keras' default 32).
-        example_id: Optional callable taking one global or per-replica batch
-            `x` (as in the dataset's elements; the first element of `(x, y)`
-            tuples) and returning an int64 tensor of shape `(batch_size,)`
-            identifying each example. Defaults to a 64-bit fingerprint of each
-            row of the first input (identical rows then count as one example
-            seen twice; pass `example_id` when rows can repeat).
+            For a `tf.data.Dataset` it means the dataset yields single
+            examples and is batched with it, as `fit(..., batch_size=)` does.
+        example_id: Optional callable taking one batch as the dataset yields
+            it (the whole element: `x`, `(x, y)` or `(x, y, sample_weight)`,
+            global or per-replica) and returning an int64 tensor of shape
+            `(batch_size,)` identifying each example. Defaults to a 64-bit
+            fingerprint of each row of the first input (identical rows then
+            count as one example seen twice; pass `example_id` when rows can
+            repeat).
         strategy: A `tf.distribute.Strategy`; defaults to
             `keras_dist.resolve_strategy("auto")`.
         auto_shard_policy: String, `"auto"`, `"file"`, `"data"` or `"off"`, as
@@ -104,6 +107,7 @@ def verify_sharding(
     """
     from keras_dist.strategy import resolve_strategy
 
+    auto_shard_policy = _sharding.validate_auto_shard_policy(auto_shard_policy)
     strategy = strategy or resolve_strategy("auto")
     example_id = example_id or _fingerprint_rows
     source = _distribute.describe_source(x)
@@ -154,6 +158,8 @@ def _dataset_factory(x, y, *, strategy, batch_size, steps):
 
     def adapt(inputs):
         prepared = _inputs.prepare(inputs, strategy=strategy, model=None, batch_size=batch_size)
+        if isinstance(prepared, tf.data.Dataset) and batch_size:
+            prepared = prepared.batch(batch_size)  # As fit batches a dataset of single examples.
         dataset = ki.get_data_adapter(prepared, y, batch_size=batch_size, steps=steps).get_tf_dataset()
         return dataset if steps is None else dataset.take(steps)
 

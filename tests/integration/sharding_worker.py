@@ -33,13 +33,28 @@ def _tfds_pipeline(data_dir, read_config=None, batch_size=40, shuffle_files=Fals
     return dataset.map(lambda e: (tf.cast(e["image"], tf.float32), e["id"])).batch(batch_size)
 
 
-def _reports(data_dir):
+def _predict_in_order(out_dir, task_id):
+    """Predicts the ids of a 4-file TFRecord input with an identity model: must come back in order."""
+    import keras
+
+    files = sharding_workload.write_tfrecords(out_dir, 4, task_id)
+    dataset = tf.data.TFRecordDataset(files).map(lambda r: sharding_workload._parse(r)[0]).batch(4)
+    inputs = keras.Input((1,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs))
+    expected = [float(v) for batch in dataset for v in batch.numpy().ravel()]
+    return {"expected": expected, "predicted": model.predict(dataset, verbose=0).ravel().tolist()}
+
+
+def _reports(data_dir, out_dir, task_id):
     def tfds_fn(input_context):
         config = tfds.ReadConfig(input_context=input_context)
         return _tfds_pipeline(data_dir, config, input_context.get_per_replica_batch_size(40))
 
     x = sharding_workload.ids()
+    files = sharding_workload.write_tfrecords(out_dir, 4, task_id)
+    take = tf.data.TFRecordDataset(files).map(sharding_workload._parse).take(10).batch(4)
     checks = {
+        "tfrecord_take_10": lambda: verify_sharding(take, example_id=_by_id),
         "tfds_load": lambda: verify_sharding(_tfds_pipeline(data_dir), example_id=_by_id),
         "tfds_load_no_autocache": lambda: verify_sharding(
             _tfds_pipeline(data_dir, tfds.ReadConfig(try_autocache=False)), example_id=_by_id
@@ -74,7 +89,8 @@ def main(out_dir, data_dir):
             results["counts"][kind] = counts.tolist()
         except Exception:  # Recorded for the test's message; the other kinds still run.
             results["errors"][kind] = traceback.format_exc()[-2000:]
-    results["reports"] = _reports(data_dir)
+    results["reports"] = _reports(data_dir, out_dir, info.task_id)
+    results["predict_tfrecord"] = _predict_in_order(out_dir, info.task_id)
     with open(os.path.join(out_dir, f"{info.task_type}-{info.task_id}.json"), "w") as f:
         json.dump(results, f)
 

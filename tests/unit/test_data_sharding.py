@@ -207,8 +207,15 @@ def test_verify_sharding_counts_every_example_once(kind, mirrored_1x2_cpu, tmp_p
     assert "every example once" in str(report)
 
 
-def test_verify_sharding_finds_duplicates(mirrored_1x2_cpu):
-    """An input function that ignores its InputContext feeds every replica the same data."""
+def test_verify_sharding_finds_duplicates():
+    """An input function that ignores its InputContext feeds every replica the same data.
+
+    Its own strategy: TensorFlow keeps PER_REPLICA input mode on a strategy object, and
+    later `experimental_distribute_dataset` calls on it then replicate instead of split.
+    """
+    from conftest import mirrored
+
+    strategy = mirrored(2)
 
     def dataset_fn(input_context):
         return tf.data.Dataset.range(10).batch(5)
@@ -216,7 +223,7 @@ def test_verify_sharding_finds_duplicates(mirrored_1x2_cpu):
     per_replica = tf.distribute.InputOptions(
         experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA
     )
-    report = verify_sharding(DatasetCreator(dataset_fn, per_replica), strategy=mirrored_1x2_cpu, example_id=lambda x: x)
+    report = verify_sharding(DatasetCreator(dataset_fn, per_replica), strategy=strategy, example_id=lambda x: x)
     assert report.num_examples == 20 and report.num_duplicated == 10 and not report.every_example_once
     assert "NOT every example once: 10 duplicated" in str(report)
 
@@ -225,3 +232,59 @@ def test_verify_sharding_default_ids_fingerprint_rows(mirrored_1x2_cpu):
     x = np.random.RandomState(0).rand(21, 3).astype("float32")
     report = verify_sharding(x, batch_size=4, strategy=mirrored_1x2_cpu)
     assert report.every_example_once and report.expected_num_examples == 21
+
+
+def test_position_dependent_steps_after_the_files_use_data(tmp_path):
+    files = sharding_workload.write_tfrecords(str(tmp_path), 4)
+    for dataset in [
+        tf.data.TFRecordDataset(files).take(3).batch(2),
+        tf.data.TFRecordDataset(files).skip(1).batch(2),
+        tf.data.TFRecordDataset(files).enumerate().batch(2),
+    ]:
+        decision = _sharding.choose_auto_shard_policy(dataset, 2)
+        assert decision.auto_shard_policy == "data" and "after reading its files" in decision.reason, decision
+    # take() on the file names, before reading, is per worker by design: FILE stays.
+    names = tf.data.Dataset.from_tensor_slices(files).take(2)
+    assert _sharding.choose_auto_shard_policy(names.interleave(tf.data.TFRecordDataset).batch(2), 2).auto_shard_policy == "file"
+
+
+def test_predict_keeps_input_order_so_never_file(tmp_path):
+    dataset = tf.data.TFRecordDataset(sharding_workload.write_tfrecords(str(tmp_path), 4)).batch(2)
+    assert _sharding.choose_auto_shard_policy(dataset, 2, keep_order=True).auto_shard_policy == "data"
+
+
+def test_plan_labels_each_input_of_fit(mirrored_1x2_cpu):
+    x = sharding_workload.ids()
+
+    def creator_fn(input_context):
+        return tf.data.Dataset.from_tensor_slices((x, x)).batch(input_context.get_per_replica_batch_size(8))
+
+    model, _ = sharding_workload.build(keras_dist.DistributedModel, "numpy", strategy=mirrored_1x2_cpu)
+    model.fit(DatasetCreator(creator_fn), validation_data=(x, x), validation_batch_size=5, epochs=1, verbose=0)
+    plan = model.input_plan
+    assert (plan.usage, plan.source, plan.global_batch_size) == ("validation", "NumPy arrays", 5)
+
+    model.fit(x, x, batch_size=8, validation_split=0.25, epochs=1, verbose=0)
+    assert (model.input_plan.usage, model.input_plan.source) == ("validation", "NumPy arrays")
+
+    def generator():
+        for start in range(0, 10, 5):
+            yield x[start : start + 5], x[start : start + 5]
+
+    model.fit(x, x, batch_size=8, validation_data=generator(), epochs=1, verbose=0)
+    assert (model.input_plan.source, model.input_plan.global_batch_size) == ("Python generator", None)
+
+
+def test_unbatched_validation_data_names_validation_batch_size(mirrored_1x2_cpu):
+    model, _ = sharding_workload.build(keras_dist.DistributedModel, "numpy", strategy=mirrored_1x2_cpu)
+    x = sharding_workload.ids()
+    with pytest.raises(ValueError, match="pass `validation_batch_size=`"):
+        model.fit(x, x, batch_size=8, validation_data=tf.data.Dataset.from_tensor_slices((x, x)), verbose=0)
+
+
+def test_verify_sharding_batches_unbatched_dataset_and_checks_policy(mirrored_1x2_cpu):
+    x = np.random.RandomState(0).rand(37, 4).astype("float32")
+    report = verify_sharding(tf.data.Dataset.from_tensor_slices(x), batch_size=8, strategy=mirrored_1x2_cpu)
+    assert (report.num_examples, report.plan.global_batch_size) == (37, 8) and report.every_example_once
+    with pytest.raises(ValueError, match="auto_shard_policy"):
+        verify_sharding(x, batch_size=8, strategy=mirrored_1x2_cpu, auto_shard_policy="nonsense")
