@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from keras_dist import _compat, errors
 from keras_dist._runtime import keras_internals as ki
+from keras_dist._runtime import layers as runtime_layers
 from keras_dist._runtime import steps, variables
 from keras_dist.data import _creator as data_creator
 from keras_dist.data import _distribute as data_distribute
@@ -140,6 +141,10 @@ class DistributedModel(keras.Model):
     def _distribute_state(self):
         """Re-homes every variable this model owns onto its strategy (cheap when nothing moved)."""
         strategy = self._distribute_strategy
+        if _compat.is_active("empty_replica_batch_norm") and variables.is_multi_replica(strategy):
+            guarded = [runtime_layers.guard_empty_batch_moments(bn) for bn in runtime_layers.batch_normalization_layers(self)]
+            if any(guarded):
+                self.train_function = None
         if _compat.is_active("mirrored_layer_state") and variables.is_multi_replica(strategy):
             for v in self.weights:
                 if not v.trainable and v.aggregation == "none" and "float" in v.dtype:

@@ -160,6 +160,18 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="empty_replica_batch_norm",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/layers/normalization/batch_normalization.py (_moments of an empty batch; tensorflow/tensorflow#58809)",
+            symptom="When a partial global batch leaves a replica without examples, BatchNormalization "
+            "computes the moments of an empty batch (NaN), and the moving statistics, gamma and beta "
+            "become NaN for good.",
+            remedy="On an empty batch each BatchNormalization layer of the model uses its moving "
+            "statistics as the batch moments, so that replica leaves them unchanged.",
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="multi_worker_output_reduction",
             package="keras",
             affected=">=3.0",
