@@ -208,13 +208,13 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
-            name="file_sharding_memory_cache",
+            name="file_sharding_cache",
             package="tensorflow",
             affected=">=2.0",
             upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/grappler/optimizers/data/auto_shard.cc (FILE rewrite keeps the cache resource; no upstream report found)",
-            symptom="Under FILE auto-sharding, a pipeline with an in-memory cache() after its file readers "
-            "(TFDS adds one to small datasets) that was iterated once before being distributed gives "
-            "every worker every example: the rewrite shards the file names but the filled cache is shared.",
+            symptom="Under FILE auto-sharding, a pipeline with a cache() after its file readers (in memory, "
+            "as TFDS adds to small datasets, or in a file) that was filled before being distributed gives "
+            "every worker every example: the rewrite shards the file names but the filled cache is read.",
             remedy="keras-dist shards such pipelines by DATA (sharded after the cache) and warns once, "
             "naming the ways to keep FILE sharding.",
             remove_when=_OPEN,

@@ -70,17 +70,20 @@ def filenames_dataset(dataset):
 
 # Transformations after the file readers under which FILE sharding keeps "each example once":
 # each applies per element or per batch, never to a position in the whole stream.
-_PER_ELEMENT = ("Map", "Filter", "Batch", "Prefetch", "Options", "Shuffle", "Repeat", "Cache", "Unbatch",
-                "AssertCardinality", "Ignore", "MaxIntraOpParallelism", "PrivateThreadPool", "Apply",
-                "Interleave", "FlatMap", "ParallelInterleave", "Parse", "Snapshot")
+# `repeat()` is not one: each worker would cycle through its own files, so a worker with
+# fewer examples repeats them more often within an epoch of `steps_per_epoch` steps.
+_PER_ELEMENT = ("Map", "Filter", "Batch", "Prefetch", "Options", "Shuffle", "Cache", "Unbatch", "Restructured",
+                "Ragged", "AssertCardinality", "Ignore", "MaxIntraOpParallelism", "PrivateThreadPool", "Apply",
+                "Interleave", "FlatMap", "ParallelInterleave", "Parse")
 
 
 def position_dependent_step(dataset):
     """Returns the name of a transformation after the file readers that depends on stream position.
 
-    `take(n)`, `skip(n)`, `enumerate()`, `zip`, `window` and the like apply to
-    the whole stream on one device, but to each worker's own files under
-    FILE sharding: `take(3)` then keeps 3 examples per worker.
+    `take(n)`, `skip(n)`, `repeat()`, `enumerate()`, `zip`, `window` and the
+    like apply to the whole stream on one device, but to each worker's own
+    files under FILE sharding: `take(3)` then keeps 3 examples per worker, and
+    `repeat()` cycles each worker through its own files at its own pace.
 
     Returns:
         String class name (e.g. `"_TakeDataset"`), or `None` when every step is per element.
@@ -102,21 +105,20 @@ def _reads_files_here(node):
     return map_func is not None and getattr(node, "_input_dataset", None) is not None and _function_reads_files(map_func)
 
 
-def has_memory_cache_after_files(dataset):
-    """Returns whether an in-memory `cache()` sits between `dataset`'s file readers and its output.
+def has_cache_after_files(dataset):
+    """Returns whether a `cache()` (in memory or in a file) sits between the file readers and the output.
 
-    TFDS adds one to small datasets (`ReadConfig(try_autocache=True)`).
+    TFDS adds an in-memory one to small datasets (`ReadConfig(try_autocache=True)`).
     Once such a cache is filled (any full pass over the dataset), TensorFlow's
-    FILE auto-shard rewrite still shards the file names but the shared cache
-    resource serves every example to every worker.
+    FILE auto-shard rewrite still shards the file names but the cache serves
+    every example to every worker.
     """
     pending = [dataset]
     while pending:
         node = pending.pop()
         if type(node).__name__ in _READER_CLASSES:
             continue
-        filename = getattr(node, "_filename", None)
-        if "Cache" in type(node).__name__ and filename is not None and not bytes(filename.numpy()):
+        if "Cache" in type(node).__name__:
             return filenames_dataset(node) is not None
         pending.extend(_inputs(node))
     return False

@@ -103,7 +103,11 @@ def choose_auto_shard_policy(dataset, num_workers, requested="auto", *, keep_ord
             "off": "set by the user: the pipeline must shard itself",
         }[policy]
         return ShardingDecision(policy, None, reason, explicit=True)
-    num_files = _count_files(dataset)
+    filenames = runtime_datasets.filenames_dataset(dataset)
+    num_files = None if filenames is None else runtime_datasets.count_files(filenames)
+    if filenames is not None and num_files is None:
+        reason = "the list of files is unbounded (e.g. repeat() on the file names)"
+        return ShardingDecision("data", None, reason)
     if num_files is not None and num_files >= num_workers:
         if keep_order:
             reason = "predict returns rows in input order; FILE sharding would reorder them"
@@ -115,9 +119,9 @@ def choose_auto_shard_policy(dataset, num_workers, requested="auto", *, keep_ord
                 "FILE sharding would apply to each worker's files separately"
             )
             return ShardingDecision("data", num_files, reason)
-        if _compat.is_active("file_sharding_memory_cache") and runtime_datasets.has_memory_cache_after_files(dataset):
+        if _compat.is_active("file_sharding_cache") and runtime_datasets.has_cache_after_files(dataset):
             reason = (
-                "the pipeline caches its files in memory (`cache()`, or TFDS' autocache), and a filled "
+                "the pipeline caches what it reads (`cache()`, or TFDS' autocache), and a filled "
                 "cache would give every worker every example under FILE sharding"
             )
             return ShardingDecision("data", num_files, reason)
@@ -127,11 +131,6 @@ def choose_auto_shard_policy(dataset, num_workers, requested="auto", *, keep_ord
     else:
         reason = f"FILE sharding needs at least one file per worker; {num_files} file(s) for {num_workers} workers"
     return ShardingDecision("data", num_files, reason)
-
-
-def _count_files(dataset):
-    filenames = runtime_datasets.filenames_dataset(dataset)
-    return None if filenames is None else runtime_datasets.count_files(filenames)
 
 
 def warn_once(decision, num_workers, *, is_chief=True):
@@ -157,11 +156,16 @@ def warn_once(decision, num_workers, *, is_chief=True):
 
 
 def _fix_for(decision, num_workers):
+    if "Repeat after reading" in decision.reason:
+        return (
+            "drop the repeat() (Keras then makes one pass over the data per epoch), or read per worker "
+            "with a keras_dist.data.DatasetCreator"
+        )
     if "after reading its files" in decision.reason:
         return "apply take/skip/zip before reading the files (on the file names), or use a DatasetCreator"
     if "cache" in decision.reason:
         return (
-            "remove the in-memory cache, or with TFDS pass read_config=tfds.ReadConfig(try_autocache=False), "
+            "remove the cache(), or with TFDS pass read_config=tfds.ReadConfig(try_autocache=False), "
             "or read per worker with a keras_dist.data.DatasetCreator and tfds.ReadConfig(input_context=...)"
         )
     return f"write the data as at least {num_workers} files (several per worker is better)"

@@ -120,7 +120,7 @@ def verify_sharding(
         )
     else:
         make_dataset = _dataset_factory(x, y, strategy=strategy, batch_size=batch_size, steps=steps)
-        reference_ids = collections.Counter(_ids_of_dataset(make_dataset(), example_id))
+        reference_ids = collections.Counter(_ids_of_dataset(make_dataset(), example_id, steps))
         dataset = make_dataset()
         distributed, plan = _distribute.distribute_dataset(
             strategy, dataset, usage="verify_sharding", source=source,
@@ -160,8 +160,7 @@ def _dataset_factory(x, y, *, strategy, batch_size, steps):
         prepared = _inputs.prepare(inputs, strategy=strategy, model=None, batch_size=batch_size)
         if isinstance(prepared, tf.data.Dataset) and batch_size:
             prepared = prepared.batch(batch_size)  # As fit batches a dataset of single examples.
-        dataset = ki.get_data_adapter(prepared, y, batch_size=batch_size, steps=steps).get_tf_dataset()
-        return dataset if steps is None else dataset.take(steps)
+        return ki.get_data_adapter(prepared, y, batch_size=batch_size, steps=steps).get_tf_dataset()
 
     if isinstance(x, types.GeneratorType):  # Consumed once: keep its batches for both passes.
         batches = list(itertools.islice(x, steps) if steps else x)
@@ -170,9 +169,9 @@ def _dataset_factory(x, y, *, strategy, batch_size, steps):
     return lambda: dataset
 
 
-def _ids_of_dataset(dataset, example_id):
+def _ids_of_dataset(dataset, example_id, steps=None):
     ids = []
-    for batch in dataset:
+    for batch in dataset if steps is None else dataset.take(steps):
         ids.extend(np.asarray(example_id(_unwrap(batch))).reshape(-1).tolist())
     return ids
 

@@ -240,6 +240,7 @@ def test_position_dependent_steps_after_the_files_use_data(tmp_path):
         tf.data.TFRecordDataset(files).take(3).batch(2),
         tf.data.TFRecordDataset(files).skip(1).batch(2),
         tf.data.TFRecordDataset(files).enumerate().batch(2),
+        tf.data.TFRecordDataset(files).shuffle(8).repeat().batch(2),  # each worker would cycle its own files
     ]:
         decision = _sharding.choose_auto_shard_policy(dataset, 2)
         assert decision.auto_shard_policy == "data" and "after reading its files" in decision.reason, decision
@@ -288,3 +289,20 @@ def test_verify_sharding_batches_unbatched_dataset_and_checks_policy(mirrored_1x
     assert (report.num_examples, report.plan.global_batch_size) == (37, 8) and report.every_example_once
     with pytest.raises(ValueError, match="auto_shard_policy"):
         verify_sharding(x, batch_size=8, strategy=mirrored_1x2_cpu, auto_shard_policy="nonsense")
+
+
+def test_per_element_steps_keep_file_sharding(tmp_path):
+    files = sharding_workload.write_tfrecords(str(tmp_path), 4)
+    for dataset in [
+        tf.data.TFRecordDataset(files).map(sharding_workload._parse).batch(3).unbatch().batch(2),
+        tf.data.TFRecordDataset(files).map(sharding_workload._parse).padded_batch(2),
+        tf.data.TFRecordDataset(files).map(sharding_workload._parse).ragged_batch(2),
+    ]:
+        assert _sharding.choose_auto_shard_policy(dataset, 2).auto_shard_policy == "file"
+
+
+def test_unbounded_file_list_is_sharded_by_data_and_says_why(tmp_path):
+    files = sharding_workload.write_tfrecords(str(tmp_path), 4)
+    dataset = tf.data.Dataset.from_tensor_slices(files).repeat().interleave(tf.data.TFRecordDataset).batch(2)
+    decision = _sharding.choose_auto_shard_policy(dataset, 2)
+    assert decision.auto_shard_policy == "data" and "unbounded" in decision.reason

@@ -1,4 +1,4 @@
-"""A filled in-memory cache after the file readers must not defeat worker sharding.
+"""A filled cache (in memory or in a file) after the file readers must not defeat worker sharding.
 
 TensorFlow's own auto-shard rewrite (`input_ops.auto_shard_dataset`, what
 `MultiWorkerMirroredStrategy` applies on each worker) is run in-process for
@@ -17,10 +17,10 @@ import sharding_workload
 pytestmark = pytest.mark.compat
 
 
-def _cached_pipeline(tmp_path):
+def _cached_pipeline(tmp_path, cache_file=""):
     files = sharding_workload.write_tfrecords(str(tmp_path), 4)
     dataset = tf.data.Dataset.from_tensor_slices(files).interleave(tf.data.TFRecordDataset, cycle_length=1)
-    dataset = dataset.map(sharding_workload._parse).cache().batch(4)
+    dataset = dataset.map(sharding_workload._parse).cache(cache_file).batch(4)
     for _ in dataset:  # e.g. a pass to compute normalization statistics: fills the cache
         pass
     return dataset
@@ -32,14 +32,18 @@ def _examples_on_worker_0_of_2(dataset):
     return policy, sum(int(tf.shape(batch[1])[0]) for batch in sharded)
 
 
-def test_without_fix_every_worker_gets_every_example(tmp_path):
-    with _compat.disabled("file_sharding_memory_cache"):
-        policy, count = _examples_on_worker_0_of_2(_cached_pipeline(tmp_path))
+@pytest.mark.parametrize("in_file", [False, True], ids=["memory", "file"])
+def test_without_fix_every_worker_gets_every_example(tmp_path, in_file):
+    cache_file = str(tmp_path / "cache") if in_file else ""
+    with _compat.disabled("file_sharding_cache"):
+        policy, count = _examples_on_worker_0_of_2(_cached_pipeline(tmp_path, cache_file))
     assert (policy, count) == ("file", sharding_workload.NUM_EXAMPLES)
 
 
-def test_with_fix_worker_gets_its_share(tmp_path):
-    policy, count = _examples_on_worker_0_of_2(_cached_pipeline(tmp_path))
+@pytest.mark.parametrize("in_file", [False, True], ids=["memory", "file"])
+def test_with_fix_worker_gets_its_share(tmp_path, in_file):
+    cache_file = str(tmp_path / "cache") if in_file else ""
+    policy, count = _examples_on_worker_0_of_2(_cached_pipeline(tmp_path, cache_file))
     assert policy == "data" and count < sharding_workload.NUM_EXAMPLES, count
 
 
