@@ -8,7 +8,6 @@ strategy (see `keras_dist._compat.keras_fixes`).
 """
 
 import contextlib
-import inspect
 import warnings
 
 import keras
@@ -18,8 +17,6 @@ from keras_dist import _compat, errors
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import layers as runtime_layers
 from keras_dist._runtime import steps, variables
-from keras_dist.data import _creator as data_creator
-from keras_dist.data import _distribute as data_distribute
 from keras_dist.data import _inputs as data_inputs
 from keras_dist.data import _sharding as data_sharding
 from keras_dist.strategy import _cluster, _peer_errors, _plan, _resolve
@@ -245,102 +242,21 @@ class DistributedModel(keras.Model):
             Collective: every worker must call `fit` with the same arguments.
             Progress is printed on the chief only (`verbose=0` elsewhere).
         """
-        arguments = self._prepared_inputs(keras.Model.fit, args, kwargs, ("x", "validation_data"))
-        with self._naming_lost_workers(), self._distributing_inputs(["fit", "validation"], arguments):
+        arguments = data_inputs.bind_inputs(self, keras.Model.fit, args, kwargs, ("x", "validation_data"))
+        with self._naming_lost_workers(), data_inputs.distributing_inputs(self, ["fit", "validation"], arguments):
             return super().fit(**self._chief_only_verbosity(arguments))
 
     def evaluate(self, *args, **kwargs):
         """Evaluates the model, exactly as `keras.Model.evaluate` (see `fit` for errors)."""
-        arguments = self._prepared_inputs(keras.Model.evaluate, args, kwargs, ("x",))
-        with self._naming_lost_workers(), self._distributing_inputs(["evaluate"], arguments):
+        arguments = data_inputs.bind_inputs(self, keras.Model.evaluate, args, kwargs, ("x",))
+        with self._naming_lost_workers(), data_inputs.distributing_inputs(self, ["evaluate"], arguments):
             return super().evaluate(**self._chief_only_verbosity(arguments))
 
     def predict(self, *args, **kwargs):
         """Predicts, exactly as `keras.Model.predict`: every worker gets all rows in input order."""
-        arguments = self._prepared_inputs(keras.Model.predict, args, kwargs, ("x",))
-        with self._naming_lost_workers(), self._distributing_inputs(["predict"], arguments):
+        arguments = data_inputs.bind_inputs(self, keras.Model.predict, args, kwargs, ("x",))
+        with self._naming_lost_workers(), data_inputs.distributing_inputs(self, ["predict"], arguments):
             return super().predict(**self._chief_only_verbosity(arguments))
-
-    def _prepared_inputs(self, method, args, kwargs, names):
-        """Binds `method`'s arguments by name, with each input in `names` prepared for the strategy."""
-        bound = inspect.signature(method).bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        extra = bound.arguments.pop("kwargs", {})
-        arguments = {**bound.arguments, **extra}
-        del arguments["self"]
-        for name in names:
-            value = arguments.get(name)
-            if value is None:
-                continue
-            if name == "validation_data":
-                batch_size, hint = arguments.get("validation_batch_size"), "validation_batch_size"
-            else:
-                batch_size, hint = arguments.get("batch_size"), "batch_size"
-            usage = "validation" if name == "validation_data" else method.__name__
-            if isinstance(value, tuple) and name == "validation_data":
-                arguments[name] = (self._prepare(value[0], batch_size, usage, hint), *value[1:])
-            else:
-                arguments[name] = self._prepare(value, batch_size, usage, hint)
-        return arguments
-
-    def _prepare(self, x, batch_size, usage, batch_size_argument):
-        strategy = self._distribute_strategy
-        if isinstance(x, data_creator.DatasetCreator):
-            plan = data_distribute.InputPlan(
-                usage, "DatasetCreator", _plan.cluster_info_of(strategy).num_workers,
-                strategy.num_replicas_in_sync, "off", None, "the input function shards itself", None, None,
-            )
-            self.input_plan = plan
-            data_distribute.announce(plan, strategy)
-        return data_inputs.prepare(
-            x, strategy=strategy, model=self, batch_size=batch_size, batch_size_argument=batch_size_argument
-        )
-
-    @contextlib.contextmanager
-    def _distributing_inputs(self, usages, arguments):
-        """Routes Keras' `experimental_distribute_dataset` calls through `keras_dist.data`.
-
-        Keras' TensorFlow trainer hands every input pipeline it builds (training,
-        validation, evaluation, prediction) to the strategy's
-        `experimental_distribute_dataset`, in that order; for the duration of one
-        call the model's own strategy object sends them through
-        `distribute_dataset`, which chooses the auto-shard policy and records the
-        input plan. Inputs already distributed (a `DatasetCreator`) skip it.
-        """
-        strategy = self._distribute_strategy
-        if strategy.num_replicas_in_sync == 1:
-            yield
-            return
-        pending = list(_inputs_keras_distributes(usages, arguments))
-        previous = strategy.__dict__.get("experimental_distribute_dataset")
-        original = type(strategy).experimental_distribute_dataset.__get__(strategy)
-
-        def distribute(dataset, options=None):
-            if len(pending) > 1:
-                usage, source, batch_size = pending.pop(0)
-            else:  # The last input (or an unforeseen one) keeps the last description.
-                usage, source, batch_size = pending[0] if pending else (usages[0], None, None)
-            distributed, plan = data_distribute.distribute_dataset(
-                strategy,
-                dataset,
-                usage=usage,
-                source=data_distribute.describe_source(source),
-                distribute=lambda d: original(d, options=options),
-                auto_shard_policy=self.auto_shard_policy,
-                batch_size=batch_size,
-            )
-            self.input_plan = plan
-            data_distribute.announce(plan, strategy)
-            return distributed
-
-        strategy.experimental_distribute_dataset = distribute
-        try:
-            yield
-        finally:
-            if previous is None:
-                del strategy.experimental_distribute_dataset
-            else:
-                strategy.experimental_distribute_dataset = previous
 
     def _chief_only_verbosity(self, kwargs):
         if variables.is_multi_worker(self._distribute_strategy) and not _plan.is_chief(
@@ -471,35 +387,6 @@ class DistributedModel(keras.Model):
             with self._distribute_strategy.scope():
                 steps.symbolic_build_from_spec(self, data_batch)
         self._distribute_state()
-
-
-def _inputs_keras_distributes(usages, arguments):
-    """Yields `(usage, source, batch_size)` for each input Keras will distribute, in order."""
-    keras_default_batch_size = 32  # What Keras batches arrays by when `batch_size` is None.
-    x = arguments.get("x")
-    validation = arguments.get("validation_data")
-    if validation is None and arguments.get("validation_split"):
-        validation = x  # Keras slices the validation examples off the arrays.
-    candidates = [
-        (usages[0], x, arguments.get("batch_size")),
-        ("validation", validation, arguments.get("validation_batch_size") or arguments.get("batch_size")),
-    ]
-    for usage, source, batch_size in candidates[: len(usages)]:
-        if isinstance(source, tuple):
-            source = source[0]
-        if source is None or _is_distributed(source):
-            continue
-        yield usage, source, None if _is_dataset(source) else (batch_size or keras_default_batch_size)
-
-
-def _is_distributed(x):
-    return isinstance(x, (tf.distribute.DistributedDataset, data_creator.DatasetCreator)) or (
-        type(x).__module__.startswith("tensorflow") and "Distributed" in type(x).__name__
-    )
-
-
-def _is_dataset(x):
-    return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or hasattr(x, "__next__")
 
 
 def _functional_class(cls):

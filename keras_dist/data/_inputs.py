@@ -1,12 +1,15 @@
-"""Preparing the inputs a user passes to `fit`/`evaluate`/`predict`, before Keras adapts them.
+"""The inputs a user passes to `fit`/`evaluate`/`predict`: prepared before Keras adapts them,
+and distributed through `keras_dist.data` when Keras hands them to the strategy.
 
-Three things happen here, each a no-op for inputs that do not need it:
+Preparing does three things, each a no-op for inputs that do not need it:
 a `DatasetCreator` becomes a per-worker distributed dataset; a
 `tf.data.Dataset` of single examples is batched to the global batch size;
 a Python generator's batches are copied as they are yielded (compat fix
 `generator_batch_copies`).
 """
 
+import contextlib
+import inspect
 import types
 
 import keras
@@ -14,7 +17,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist.data import _creator
+from keras_dist.data import _creator, _distribute
+from keras_dist.strategy import _plan
 
 
 def prepare(x, *, strategy, model, batch_size, batch_size_argument="batch_size"):
@@ -82,3 +86,127 @@ def _input_ranks(model):
         return [len(i.shape) for i in inputs]
     except (TypeError, AttributeError):
         return None
+
+
+def bind_inputs(model, method, args, kwargs, names):
+    """Returns `method`'s arguments bound by name, with each input in `names` prepared for the strategy.
+
+    Args:
+        model: The `DistributedModel` whose `fit`/`evaluate`/`predict` runs.
+        method: `keras.Model.fit`, `.evaluate` or `.predict` (its signature names the arguments).
+        args: Tuple, the positional arguments of the call.
+        kwargs: Dict, its keyword arguments.
+        names: Tuple of argument names holding inputs (`"x"`, `"validation_data"`).
+
+    Raises:
+        ValueError: An input is a dataset of single examples and no batch size is given.
+    """
+    bound = inspect.signature(method).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    extra = bound.arguments.pop("kwargs", {})
+    arguments = {**bound.arguments, **extra}
+    del arguments["self"]
+    for name in names:
+        value = arguments.get(name)
+        if value is None:
+            continue
+        if name == "validation_data":
+            batch_size, hint = arguments.get("validation_batch_size"), "validation_batch_size"
+        else:
+            batch_size, hint = arguments.get("batch_size"), "batch_size"
+        usage = "validation" if name == "validation_data" else method.__name__
+        if isinstance(value, tuple) and name == "validation_data":
+            arguments[name] = (_prepare_one(model, value[0], batch_size, usage, hint), *value[1:])
+        else:
+            arguments[name] = _prepare_one(model, value, batch_size, usage, hint)
+    return arguments
+
+
+def _prepare_one(model, x, batch_size, usage, batch_size_argument):
+    strategy = model.distribute_strategy
+    if isinstance(x, _creator.DatasetCreator):
+        plan = _distribute.InputPlan(
+            usage, "DatasetCreator", _plan.cluster_info_of(strategy).num_workers,
+            strategy.num_replicas_in_sync, "off", None, "the input function shards itself", None, None,
+        )
+        model.input_plan = plan
+        _distribute.announce(plan, strategy)
+    return prepare(
+        x, strategy=strategy, model=model, batch_size=batch_size, batch_size_argument=batch_size_argument
+    )
+
+
+@contextlib.contextmanager
+def distributing_inputs(model, usages, arguments):
+    """Routes Keras' `experimental_distribute_dataset` calls through `keras_dist.data` during one call.
+
+    Keras' TensorFlow trainer hands every input pipeline it builds (training,
+    validation, evaluation, prediction) to the strategy's
+    `experimental_distribute_dataset`, in that order; for the duration of one
+    call the model's own strategy object sends them through
+    `distribute_dataset`, which chooses the auto-shard policy and records the
+    input plan. Inputs already distributed (a `DatasetCreator`) skip it.
+    """
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync == 1:
+        yield
+        return
+    pending = list(_inputs_keras_distributes(usages, arguments))
+    previous = strategy.__dict__.get("experimental_distribute_dataset")
+    original = type(strategy).experimental_distribute_dataset.__get__(strategy)
+
+    def distribute(dataset, options=None):
+        if len(pending) > 1:
+            usage, source, batch_size = pending.pop(0)
+        else:  # The last input (or an unforeseen one) keeps the last description.
+            usage, source, batch_size = pending[0] if pending else (usages[0], None, None)
+        distributed, plan = _distribute.distribute_dataset(
+            strategy,
+            dataset,
+            usage=usage,
+            source=_distribute.describe_source(source),
+            distribute=lambda d: original(d, options=options),
+            auto_shard_policy=model.auto_shard_policy,
+            batch_size=batch_size,
+        )
+        model.input_plan = plan
+        _distribute.announce(plan, strategy)
+        return distributed
+
+    strategy.experimental_distribute_dataset = distribute
+    try:
+        yield
+    finally:
+        if previous is None:
+            del strategy.experimental_distribute_dataset
+        else:
+            strategy.experimental_distribute_dataset = previous
+
+
+def _inputs_keras_distributes(usages, arguments):
+    """Yields `(usage, source, batch_size)` for each input Keras will distribute, in order."""
+    keras_default_batch_size = 32  # What Keras batches arrays by when `batch_size` is None.
+    x = arguments.get("x")
+    validation = arguments.get("validation_data")
+    if validation is None and arguments.get("validation_split"):
+        validation = x  # Keras slices the validation examples off the arrays.
+    candidates = [
+        (usages[0], x, arguments.get("batch_size")),
+        ("validation", validation, arguments.get("validation_batch_size") or arguments.get("batch_size")),
+    ]
+    for usage, source, batch_size in candidates[: len(usages)]:
+        if isinstance(source, tuple):
+            source = source[0]
+        if source is None or _is_distributed(source):
+            continue
+        yield usage, source, None if _is_dataset(source) else (batch_size or keras_default_batch_size)
+
+
+def _is_distributed(x):
+    return isinstance(x, (tf.distribute.DistributedDataset, _creator.DatasetCreator)) or (
+        type(x).__module__.startswith("tensorflow") and "Distributed" in type(x).__name__
+    )
+
+
+def _is_dataset(x):
+    return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or hasattr(x, "__next__")
