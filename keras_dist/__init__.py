@@ -39,6 +39,7 @@ if not _is_keras_dist_command():
     _join_cluster_at_import()
 
     from keras_dist._model import DistributedModel
+    from keras_dist.collectives import CommunicationOptions
     from keras_dist._runtime.devices import simulate_cpu_replicas
     from keras_dist._wrap import distribute
     from keras_dist.strategy import ClusterInfo, Plan, cluster_info, describe, is_chief
@@ -46,6 +47,7 @@ if not _is_keras_dist_command():
 
 __all__ = [
     "ClusterInfo",
+    "CommunicationOptions",
     "DistributedModel",
     "Plan",
     "__version__",
@@ -62,6 +64,7 @@ __all__ = [
 
 
 _LAZY = {
+    "CommunicationOptions": "keras_dist.collectives",
     "DistributedModel": "keras_dist._model",
     "distribute": "keras_dist._wrap",
     "simulate_cpu_replicas": "keras_dist._runtime.devices",

@@ -13,10 +13,11 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_dist import _compat, errors
+from keras_dist import _compat, collectives, errors
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import layers as runtime_layers
 from keras_dist._runtime import steps, variables
+from keras_dist.collectives import _all_reduce as collectives_all_reduce
 from keras_dist.data import _inputs as data_inputs
 from keras_dist.data import _sharding as data_sharding
 from keras_dist.strategy import _cluster, _peer_errors, _plan, _resolve
@@ -49,6 +50,11 @@ class DistributedModel(keras.Model):
             `TF_CONFIG` lists more than one task; `MirroredStrategy` over 2+
             GPUs (NCCL) or over simulated CPU replicas
             (`keras_dist.simulate_cpu_replicas`); otherwise one device.
+        communication: A `keras_dist.CommunicationOptions` (or a
+            `tf.distribute.experimental.CommunicationOptions`, or a dict of
+            its fields): how gradients are all-reduced (implementation,
+            `bytes_per_pack`, `timeout_seconds`, `compression`). Defaults to
+            TensorFlow's choices without compression. Shown in the plan.
         auto_shard_policy: String, how inputs are split across workers:
             `"auto"` (the default: FILE when the input reads at least one file
             per worker, DATA otherwise, or the policy set in a dataset's
@@ -58,8 +64,10 @@ class DistributedModel(keras.Model):
 
     Raises:
         ValueError: `strategy` is an unknown name or an unsupported strategy
-            (e.g. `ParameterServerStrategy`), or `auto_shard_policy` is unknown.
-        TypeError: `strategy` is neither a name nor a `tf.distribute.Strategy`.
+            (e.g. `ParameterServerStrategy`), `auto_shard_policy` is unknown,
+            or `communication` asks for NCCL on a machine without GPUs.
+        TypeError: `strategy` is neither a name nor a `tf.distribute.Strategy`,
+            or `communication` is not one of the accepted types.
 
     Distributed behavior:
         Numerics: for any dataset and batch size, N replicas give the same
@@ -91,12 +99,15 @@ class DistributedModel(keras.Model):
     def __new__(cls, *args, **kwargs):
         kwargs.pop("strategy", None)
         kwargs.pop("auto_shard_policy", None)
+        kwargs.pop("communication", None)
         if ki.functional_init_arguments(args, kwargs) and not issubclass(cls, ki.Functional):
             return super().__new__(_functional_class(cls), *args, **kwargs)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args, strategy="auto", auto_shard_policy="auto", **kwargs):
+    def __init__(self, *args, strategy="auto", communication=None, auto_shard_policy="auto", **kwargs):
         auto_shard_policy = data_sharding.validate_auto_shard_policy(auto_shard_policy)
+        communication = collectives.CommunicationOptions.from_value(communication)
+        _require_gpus_for_nccl(communication)
         resolved = _resolve.resolve_strategy(strategy)
         if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not resolved:
             raise ValueError(
@@ -115,8 +126,9 @@ class DistributedModel(keras.Model):
         self._distribute_strategy = resolved
         self._distribute_reduction_method = None
         self.auto_shard_policy = auto_shard_policy
+        self.communication = communication
         self.input_plan = None
-        _plan.announce(resolved)
+        _plan.announce(resolved, communication=communication.describe())
         self._distribute_state()
 
     # ----------------------------------------------------------------- state
@@ -288,8 +300,19 @@ class DistributedModel(keras.Model):
 
     # ------------------------------------------------------------ the steps
     def train_step(self, data):
-        """Keras' `train_step`, with each replica's loss weighted by its share of the global batch."""
-        return steps.train_step(self, data, replica_loss_weight=self._replica_loss_weight)
+        """Keras' `train_step`, with each replica's loss weighted by its share of the global batch.
+
+        Under several replicas the gradients are summed over the replicas
+        (with `communication`'s packing, timeout and compression) before
+        `optimizer.apply`, so gradient clipping acts on the global gradient.
+        """
+        all_reduce = None
+        if variables.is_multi_replica(self._distribute_strategy) and _compat.is_active("clip_after_all_reduce"):
+            options = self.communication
+            all_reduce = lambda gradients: collectives_all_reduce.all_reduce_gradients(gradients, options)  # noqa: E731
+        return steps.train_step(
+            self, data, replica_loss_weight=self._replica_loss_weight, all_reduce=all_reduce
+        )
 
     def _replica_loss_weight(self, num_examples):
         """Returns `num_replicas_in_sync * local_examples / global_examples` (collective).
@@ -387,6 +410,15 @@ class DistributedModel(keras.Model):
             with self._distribute_strategy.scope():
                 steps.symbolic_build_from_spec(self, data_batch)
         self._distribute_state()
+
+
+def _require_gpus_for_nccl(communication):
+    if communication.implementation == "nccl" and not tf.config.list_physical_devices("GPU"):
+        raise ValueError(
+            "CommunicationOptions(implementation='nccl') needs GPUs: NCCL all-reduces between GPUs "
+            "only, and this machine has none. Received: implementation='nccl' with 0 GPUs. Fix: use "
+            "implementation='ring' (CPUs, between hosts) or 'auto' (NCCL when there are GPUs)."
+        )
 
 
 def _functional_class(cls):

@@ -172,6 +172,19 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="clip_after_all_reduce",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (apply: _clip_gradients before _backend_update_step's all-reduce)",
+            symptom="Under a multi-replica strategy clipnorm, clipvalue and global_clipnorm clip each "
+            "replica's share of the gradient before the gradients are summed, so N replicas train to "
+            "different weights than one device whenever clipping is active.",
+            remedy="DistributedModel.train_step sums the gradients over replicas (with the model's "
+            "CommunicationOptions) before optimizer.apply, which then clips the global gradient and "
+            "does not sum again.",
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="multi_worker_output_reduction",
             package="keras",
             affected=">=3.0",

@@ -4,6 +4,8 @@ Each name here is used by layer 1 through this module only, so a Keras release
 that moves one breaks exactly one import, found by `tests/unit/test_runtime.py`.
 """
 
+import contextlib
+
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
@@ -22,6 +24,7 @@ __all__ = [
     "functional_structure",
     "get_data_adapter",
     "get_random_seed",
+    "gradients_already_reduced",
 ]
 
 
@@ -65,3 +68,26 @@ def get_data_adapter(x, y=None, sample_weight=None, batch_size=None, steps=None)
     return keras_get_data_adapter(
         x, y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps, shuffle=False
     )
+
+
+@contextlib.contextmanager
+def gradients_already_reduced(optimizer):
+    """Makes `optimizer.apply` skip its own cross-replica gradient sum while the block runs.
+
+    Keras' TensorFlow optimizer sums gradients over replicas inside `apply`
+    (`TFOptimizer._all_reduce_sum_gradients`), after clipping them. keras-dist
+    sums them before `apply` instead; inside this block the optimizer (and the
+    inner optimizer of a `LossScaleOptimizer`) takes the gradients as given.
+    Only this instance changes, only while the block runs (at trace time).
+    """
+    chain = []
+    while optimizer is not None and optimizer not in chain:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    for opt in chain:
+        opt._all_reduce_sum_gradients = list
+    try:
+        yield
+    finally:
+        for opt in chain:
+            opt.__dict__.pop("_all_reduce_sum_gradients", None)

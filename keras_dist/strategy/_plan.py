@@ -22,6 +22,9 @@ class Plan:
         num_replicas_in_sync: Integer, replicas in one synchronous step.
         devices: Tuple of strings, the devices of this worker's replicas.
         all_reduce: String, the gradient all-reduce implementation.
+        communication: String, the `keras_dist.CommunicationOptions` of the
+            first model announced (implementation, packing, timeout,
+            compression), or `""`.
     """
 
     strategy: str
@@ -31,6 +34,7 @@ class Plan:
     num_replicas_in_sync: int
     devices: tuple
     all_reduce: str
+    communication: str = ""
 
     def __str__(self):
         return "\n".join(
@@ -42,6 +46,7 @@ class Plan:
                 f"  devices (this worker): {', '.join(self.devices)}",
                 f"  all-reduce:           {self.all_reduce}",
             ]
+            + ([f"  communication:        {self.communication}"] if self.communication else [])
         )
 
 
@@ -74,8 +79,8 @@ def is_chief(strategy=None):
     return cluster_info_of(strategy).is_chief
 
 
-def describe(strategy):
-    """Returns the `Plan` of `strategy` for this process."""
+def describe(strategy, *, communication=""):
+    """Returns the `Plan` of `strategy` for this process (`communication`: see `Plan`)."""
     info = cluster_info_of(strategy)
     return Plan(
         strategy=type(strategy).__name__.lstrip("_"),
@@ -85,10 +90,11 @@ def describe(strategy):
         num_replicas_in_sync=strategy.num_replicas_in_sync,
         devices=tuple(strategy_info.worker_devices(strategy)),
         all_reduce=strategy_info.all_reduce_implementation(strategy),
+        communication=communication,
     )
 
 
-def announce(strategy, *, print_fn=None):
+def announce(strategy, *, communication="", print_fn=None):
     """Prints the plan of `strategy` once per process, on the chief only.
 
     Set `KERAS_DIST_QUIET=1` to silence it.
@@ -96,4 +102,4 @@ def announce(strategy, *, print_fn=None):
     if id(strategy) in _ANNOUNCED or not is_chief(strategy) or os.environ.get("KERAS_DIST_QUIET"):
         return
     _ANNOUNCED.add(id(strategy))
-    (print_fn or functools.partial(print, flush=True))(str(describe(strategy)))
+    (print_fn or functools.partial(print, flush=True))(str(describe(strategy, communication=communication)))

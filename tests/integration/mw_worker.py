@@ -1,6 +1,6 @@
 """Worker script for the multi-worker tests, started by `keras-dist launch`.
 
-Usage: mw_worker.py OUT_DIR [--steps-per-execution K] [--die-at-batch N --die-task-id I]
+Usage: mw_worker.py OUT_DIR [--steps-per-execution K] [--communication JSON] [--die-at-batch N --die-task-id I]
 Writes OUT_DIR/<task_type>-<task_id>.json with what this worker saw.
 """
 
@@ -36,7 +36,9 @@ def main(argv):
     options = dict(zip(argv[1::2], argv[2::2]))
     info = keras_dist.cluster_info()
     model = mw_workload.build(
-        keras_dist.DistributedModel, steps_per_execution=int(options.get("--steps-per-execution", 1))
+        keras_dist.DistributedModel,
+        steps_per_execution=int(options.get("--steps-per-execution", 1)),
+        communication=json.loads(options.get("--communication", "null")),
     )
     if "--die-at-batch" in options:
         x, y = mw_workload.data(400, seed=3)

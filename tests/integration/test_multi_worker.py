@@ -72,6 +72,16 @@ def test_two_workers_match_single_device(tmp_path, single_device_results, cpu_re
         _assert_matches(single_device_results, got)
 
 
+@pytest.mark.timeout(150)
+def test_communication_options_on_real_collectives_match_single_device(tmp_path, single_device_results):
+    """RING, 64-byte packs (one collective per few tensors) and a timeout: same numbers."""
+    communication = '{"implementation": "ring", "bytes_per_pack": 64, "timeout_seconds": 60}'
+    result = _launch(["--num-workers", "2"], [str(tmp_path), "--communication", communication], timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for i in range(2):
+        _assert_matches(single_device_results, json.loads((tmp_path / f"worker-{i}.json").read_text()))
+
+
 def _start_workers(tmp_path, num_workers, task_ids, script_args, env):
     cluster = build_cluster_spec(ports=find_free_ports(num_workers))
     processes = {}

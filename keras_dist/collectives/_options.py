@@ -1,0 +1,134 @@
+"""`CommunicationOptions`: the knobs of the gradient all-reduce, as Horovod and DDP users expect them."""
+
+import dataclasses
+
+import tensorflow as tf
+
+IMPLEMENTATIONS = ("auto", "ring", "nccl")
+COMPRESSIONS = (None, "fp16", "bf16")
+_TF_IMPLEMENTATIONS = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16}
+_TF_OPTIONS_TYPE = type(tf.distribute.experimental.CommunicationOptions())  # a factory, not the class
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """How `DistributedModel` all-reduces gradients across replicas.
+
+    The first three fields are TensorFlow's own
+    (`tf.distribute.experimental.CommunicationOptions`); `compression` is
+    keras-dist's.
+
+    Args:
+        implementation: String, the collective implementation under
+            `MultiWorkerMirroredStrategy`: `"auto"` (TensorFlow chooses:
+            NCCL on GPUs, ring otherwise), `"ring"` (gRPC ring, CPUs and
+            between hosts) or `"nccl"` (GPUs only). `MirroredStrategy` on one
+            worker uses its own cross-device ops (NCCL on GPUs) and ignores it.
+            Defaults to `"auto"`.
+        bytes_per_pack: Integer, in bytes: gradients are packed into chunks
+            of about this size, each all-reduced in one collective (fewer,
+            larger messages for many small tensors). `0` lets TensorFlow
+            choose. Defaults to `0`.
+        timeout_seconds: Float, in seconds, or `None`: a collective that
+            does not complete in time fails with `DeadlineExceededError`
+            instead of waiting forever (multi-worker only). Defaults to `None`.
+        compression: `None`, `"fp16"` or `"bf16"`: floating-point gradients
+            are cast to this dtype for the all-reduce and back to their own
+            dtype after it, halving the bytes sent for float32 gradients. The
+            sum is computed in the compressed dtype (what is sent is what is
+            summed, as in Horovod's fp16 compression): fp16 keeps 11
+            significant bits and overflows beyond 65504, bf16 keeps float32's
+            range with 8 significant bits. Defaults to `None`.
+
+    Raises:
+        ValueError: A field is outside the values above.
+
+    Example:
+    >>> import keras_dist
+    >>> options = keras_dist.CommunicationOptions(implementation="ring", compression="fp16")
+    >>> options.describe()
+    'RING, pack auto, no timeout, fp16 compression'
+
+    References:
+        TF API `tf.distribute.experimental.CommunicationOptions`; Horovod
+        `hvd.Compression.fp16`; Sergeev and Del Balso, "Horovod: fast and easy
+        distributed deep learning in TensorFlow", 2018.
+    """
+
+    implementation: str = "auto"
+    bytes_per_pack: int = 0
+    timeout_seconds: object = None
+    compression: object = None
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"`implementation` must be one of {IMPLEMENTATIONS}. Received: implementation={self.implementation!r}."
+            )
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(
+                "`bytes_per_pack` must be an integer number of bytes >= 0 (0: TensorFlow chooses). "
+                f"Received: bytes_per_pack={self.bytes_per_pack!r}."
+            )
+        if self.timeout_seconds is not None and not (
+            isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds > 0
+        ):
+            raise ValueError(
+                "`timeout_seconds` must be a number of seconds > 0, or None for no timeout. "
+                f"Received: timeout_seconds={self.timeout_seconds!r}."
+            )
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"`compression` must be one of {COMPRESSIONS}. Received: compression={self.compression!r}."
+            )
+
+    @classmethod
+    def from_value(cls, value):
+        """Returns `CommunicationOptions` from `None`, itself, a TF `CommunicationOptions` or a dict.
+
+        Raises:
+            TypeError: `value` is none of these.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        if isinstance(value, _TF_OPTIONS_TYPE):
+            names = {v: k for k, v in _TF_IMPLEMENTATIONS.items()}
+            return cls(
+                implementation=names[value.implementation],
+                bytes_per_pack=int(value.bytes_per_pack),
+                timeout_seconds=value.timeout_seconds,
+            )
+        raise TypeError(
+            "`communication` must be a keras_dist.CommunicationOptions, a "
+            "tf.distribute.experimental.CommunicationOptions, a dict of their fields, or None. "
+            f"Received: {type(value).__name__}."
+        )
+
+    def to_tensorflow(self):
+        """Returns the `tf.distribute.experimental.CommunicationOptions` of the first three fields."""
+        return tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=self.bytes_per_pack,
+            timeout_seconds=self.timeout_seconds,
+            implementation=_TF_IMPLEMENTATIONS[self.implementation],
+        )
+
+    @property
+    def compressed_dtype(self):
+        """The `tf.DType` gradients travel in, or `None` without compression."""
+        return _DTYPES.get(self.compression)
+
+    def describe(self):
+        """Returns one line for the plan, e.g. `'RING, pack 4194304 bytes, timeout 30 s, no compression'`."""
+        pack = "pack auto" if not self.bytes_per_pack else f"pack {self.bytes_per_pack} bytes"
+        timeout = "no timeout" if self.timeout_seconds is None else f"timeout {self.timeout_seconds:g} s"
+        compression = "no compression" if self.compression is None else f"{self.compression} compression"
+        return f"{self.implementation.upper()}, {pack}, {timeout}, {compression}"
