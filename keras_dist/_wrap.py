@@ -2,14 +2,16 @@
 
 import keras
 
+from keras_dist import collectives
 from keras_dist._model import DistributedModel
+from keras_dist.data._sharding import validate_auto_shard_policy
 from keras_dist._runtime import keras_internals as ki
 from keras_dist.strategy import _resolve
 
 _STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
 
 
-def distribute(model, *, strategy="auto"):
+def distribute(model, *, strategy="auto", communication=None, auto_shard_policy="auto"):
     """Returns a `DistributedModel` that trains `model`'s layers under a strategy.
 
     The layer objects and their weights are kept (trained or not): their
@@ -22,6 +24,9 @@ def distribute(model, *, strategy="auto"):
             `DistributedModel`, which is moved to `strategy`.
         strategy: A `tf.distribute.Strategy` or a name, as for
             `DistributedModel`. Defaults to `"auto"`.
+        communication: As for `DistributedModel`: a
+            `keras_dist.CommunicationOptions` or `None`.
+        auto_shard_policy: As for `DistributedModel`. Defaults to `"auto"`.
 
     Returns:
         `DistributedModel`. A functional or built `Sequential` model becomes a
@@ -41,8 +46,12 @@ def distribute(model, *, strategy="auto"):
     >>> [w.shape for w in dm.get_weights()] == [w.shape for w in plain.get_weights()]
     True
     """
+    options = {"communication": communication, "auto_shard_policy": auto_shard_policy}
     if isinstance(model, DistributedModel):
         model._distribute_strategy = _resolve.resolve_strategy(strategy)
+        model.communication = collectives.CommunicationOptions.from_value(communication)
+        model.auto_shard_policy = validate_auto_shard_policy(auto_shard_policy)
+        model.train_function = None
         model._distribute_state()
         return model
     if not isinstance(model, keras.Model):
@@ -63,9 +72,9 @@ def distribute(model, *, strategy="auto"):
         )
     graph = _functional_graph(model)
     if graph is not None:
-        distributed = DistributedModel(*graph, name=model.name, strategy=strategy)
+        distributed = DistributedModel(*graph, name=model.name, strategy=strategy, **options)
     else:
-        distributed = WrappedModel(model, strategy=strategy)
+        distributed = WrappedModel(model, strategy=strategy, **options)
     compile_args = ki.compile_arguments(model)
     if compile_args is not None:
         distributed.compile(**compile_args)

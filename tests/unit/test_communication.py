@@ -94,3 +94,13 @@ def test_sparse_gradients_and_compression_against_single_device(mirrored_1x2_cpu
     model = _fit(_classifier(keras_dist.DistributedModel, {"compression": compression}, strategy=mirrored_1x2_cpu))
     difference = max_weight_difference(reference, model)
     assert difference < tolerance, difference
+
+
+def test_distribute_passes_options_to_the_wrapped_model(mirrored_1x2_cpu):
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model = keras_dist.distribute(
+        plain, strategy=mirrored_1x2_cpu, communication={"compression": "bf16"}, auto_shard_policy="data"
+    )
+    assert model.communication.compression == "bf16" and model.auto_shard_policy == "data"
+    again = keras_dist.distribute(model, strategy=mirrored_1x2_cpu, communication={"implementation": "ring"})
+    assert again is model and model.communication.implementation == "ring" and model.auto_shard_policy == "auto"
