@@ -185,6 +185,19 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="gradient_accumulation_under_strategy",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/issues/17429 (also keras-team/tf-keras#107)",
+            symptom="With an optimizer's gradient_accumulation_steps under a multi-replica strategy, "
+            "the first step fails ('Exception encountered when calling Cond.call()'): optimizer.apply "
+            "chooses between updating and accumulating with ops.cond, and both branches call merge_call.",
+            remedy="DistributedModel.train_step sums the gradients over replicas first and runs "
+            "optimizer.apply once in cross-replica context (one merge_call outside any conditional), "
+            "updating every replica's copy.",
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="multi_worker_output_reduction",
             package="keras",
             affected=">=3.0",

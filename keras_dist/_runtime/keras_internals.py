@@ -6,6 +6,7 @@ that moves one breaks exactly one import, found by `tests/unit/test_runtime.py`.
 
 import contextlib
 
+import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
@@ -16,6 +17,7 @@ from keras.src.utils.rng_utils import get_random_seed
 __all__ = [
     "Functional",
     "TensorFlowTrainer",
+    "apply_once_in_cross_replica_context",
     "compile_arguments",
     "functional_init_arguments",
     "unpack_x_y_sample_weight",
@@ -91,3 +93,39 @@ def gradients_already_reduced(optimizer):
     finally:
         for opt in chain:
             opt.__dict__.pop("_all_reduce_sum_gradients", None)
+
+
+def apply_once_in_cross_replica_context(optimizer, gradients, variables):
+    """Applies gradients already summed over replicas once, from cross-replica context.
+
+    Keras' gradient accumulation makes `optimizer.apply` choose between
+    updating and accumulating with `ops.cond`, and both branches reach
+    `merge_call`, which TensorFlow refuses inside a conditional in replica
+    context (shared/cases 17). The summed gradients are the same on every
+    replica, so one `merge_call` runs the whole `apply` in cross-replica
+    context on the first replica's copy; its variable updates
+    (`extended.update`) then write every replica's copy. Keras' own
+    `maybe_merge_call`s inside need a replica context unless the strategy
+    says it works without `merge_call`, which it is told for the duration.
+
+    Args:
+        optimizer: The Keras optimizer.
+        gradients: List of summed gradients (replica context), `None` allowed.
+        variables: The matching list of trainable variables.
+
+    Distributed behavior:
+        Runs in replica context and calls `merge_call` once: every replica
+        must call it.
+    """
+    context = tf.distribute.get_replica_context()
+
+    def apply(strategy, summed):
+        first = [None if g is None else strategy.experimental_local_results(g)[0] for g in summed]
+        extended = strategy.extended
+        extended._use_merge_call = lambda: False
+        try:
+            optimizer.apply_gradients(zip(first, variables))
+        finally:
+            extended.__dict__.pop("_use_merge_call", None)
+
+    context.merge_call(apply, args=(gradients,))

@@ -12,6 +12,7 @@ from keras import tree
 
 from tensorflow.python.distribute.values import PerReplicaSpec
 
+from keras_dist import _compat
 from keras_dist._runtime import keras_internals as ki
 
 
@@ -60,10 +61,21 @@ def train_step(model, data, *, replica_loss_weight, all_reduce=None):
         else:
             gradients = all_reduce(gradients)
             with ki.gradients_already_reduced(model.optimizer):
-                model.optimizer.apply_gradients(zip(gradients, trainable_weights))
+                if _accumulates_gradients(model.optimizer) and _compat.is_active("gradient_accumulation_under_strategy"):
+                    ki.apply_once_in_cross_replica_context(model.optimizer, gradients, trainable_weights)
+                else:
+                    model.optimizer.apply_gradients(zip(gradients, trainable_weights))
     else:
         warnings.warn("The model does not have any trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _accumulates_gradients(optimizer):
+    while optimizer is not None:
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            return True
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False
 
 
 def batch_size_of(x):

@@ -1,6 +1,7 @@
 """Worker script for the multi-worker tests, started by `keras-dist launch`.
 
-Usage: mw_worker.py OUT_DIR [--steps-per-execution K] [--communication JSON] [--die-at-batch N --die-task-id I]
+Usage: mw_worker.py OUT_DIR [--steps-per-execution K] [--communication JSON] [--accumulation K]
+                    [--die-at-batch N --die-task-id I]
 Writes OUT_DIR/<task_type>-<task_id>.json with what this worker saw.
 """
 
@@ -39,6 +40,7 @@ def main(argv):
         keras_dist.DistributedModel,
         steps_per_execution=int(options.get("--steps-per-execution", 1)),
         communication=json.loads(options.get("--communication", "null")),
+        gradient_accumulation_steps=int(options["--accumulation"]) if "--accumulation" in options else None,
     )
     if "--die-at-batch" in options:
         x, y = mw_workload.data(400, seed=3)

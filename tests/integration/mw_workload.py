@@ -27,7 +27,7 @@ def data(num_examples, seed):
     return x, y
 
 
-def build(model_class, steps_per_execution=1, **kwargs):
+def build(model_class, steps_per_execution=1, gradient_accumulation_steps=None, **kwargs):
     """Returns a compiled model with fixed initial weights; `model_class` is keras.Model or DistributedModel."""
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(8, activation="tanh")(inputs)
@@ -35,7 +35,7 @@ def build(model_class, steps_per_execution=1, **kwargs):
     rs = np.random.RandomState(42)
     model.set_weights([rs.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
     model.compile(
-        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=gradient_accumulation_steps),
         loss="mse",
         metrics=["mae", ExampleCount(name="count")],
         steps_per_execution=steps_per_execution,

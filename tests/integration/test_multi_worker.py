@@ -82,6 +82,15 @@ def test_communication_options_on_real_collectives_match_single_device(tmp_path,
         _assert_matches(single_device_results, json.loads((tmp_path / f"worker-{i}.json").read_text()))
 
 
+@pytest.mark.timeout(150)
+def test_gradient_accumulation_on_two_workers_matches_single_device(tmp_path):
+    reference = mw_workload.run(mw_workload.build(keras.Model, gradient_accumulation_steps=2))
+    result = _launch(["--num-workers", "2", "--cpu-replicas", "2"], [str(tmp_path), "--accumulation", "2"], timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for i in range(2):
+        _assert_matches(reference, json.loads((tmp_path / f"worker-{i}.json").read_text()))
+
+
 def _start_workers(tmp_path, num_workers, task_ids, script_args, env):
     cluster = build_cluster_spec(ports=find_free_ports(num_workers))
     processes = {}
