@@ -104,3 +104,44 @@ def test_distribute_passes_options_to_the_wrapped_model(mirrored_1x2_cpu):
     assert model.communication.compression == "bf16" and model.auto_shard_policy == "data"
     again = keras_dist.distribute(model, strategy=mirrored_1x2_cpu, communication={"implementation": "ring"})
     assert again is model and model.communication.implementation == "ring" and model.auto_shard_policy == "auto"
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_custom_training_loop_with_stateful_optimizer_matches_single_device(mirrored_1x2_cpu, optimizer):
+    """shared/cases 08: strategy.run + model.optimizer.apply_gradients, slots never built by fit."""
+
+    def make_optimizer():
+        return keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.01, momentum=0.9)
+
+    x = np.random.RandomState(0).rand(32, 4).astype("float32")
+    y = x.sum(1, keepdims=True)
+    inputs = keras.Input((4,))
+    model = keras_dist.DistributedModel(
+        inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=mirrored_1x2_cpu
+    )
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    dataset = mirrored_1x2_cpu.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+
+    @tf.function
+    def train_step(batch):
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(model(xb, training=True) - yb)) / 8.0
+            gradients = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+
+        mirrored_1x2_cpu.run(step, args=batch)
+
+    for batch in dataset:
+        train_step(batch)
+
+    reference_inputs = keras.Input((4,))
+    reference = keras.Model(reference_inputs, keras.layers.Dense(1, kernel_initializer="zeros")(reference_inputs))
+    reference_optimizer = make_optimizer()
+    for start in range(0, 32, 8):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(reference(x[start : start + 8]) - y[start : start + 8])) / 8.0
+        gradients = tape.gradient(loss, reference.trainable_variables)
+        reference_optimizer.apply_gradients(zip(gradients, reference.trainable_variables))
+    assert max_weight_difference(reference, model) < 1e-6
+    assert int(model.optimizer.iterations.numpy()) == 4
