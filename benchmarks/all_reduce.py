@@ -1,0 +1,148 @@
+"""All-reduce bus bandwidth, packing, and step time with gradient accumulation, on 2 local workers.
+
+A benchmark, not a test: it prints what it measured in this run and writes
+JSON (`--json`), asserting nothing about speed. Everything runs on this
+machine: 2 worker processes (`keras-dist launch --num-workers 2`, TensorFlow's
+gRPC collectives on loopback, one CPU replica each).
+
+  bus bandwidth  for 1, 16 and 64 MB float32 tensors: `size * 2(n-1)/n / time`
+                 per all-reduce, n = 2 replicas (the nccl-tests definition of
+                 "busbw"), next to the loopback TCP throughput measured in the
+                 same run (one socket, 256 MB) as the ceiling.
+  packing        256 tensors of 4 KB summed in one `all_reduce` call, with
+                 `bytes_per_pack` 0 (TensorFlow's default) and 64 KB, and the
+                 same 1 MB as one tensor.
+  accumulation   seconds per micro-batch step of `DistributedModel.fit` with
+                 `gradient_accumulation_steps` 1 and 4 (the gradients are
+                 still all-reduced every micro-batch: see docs/communication.md).
+
+    python benchmarks/all_reduce.py [--repeats 10] [--json out.json]
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+WORKER = r'''
+import json, sys, time
+import keras_dist
+import keras, numpy as np, tensorflow as tf
+
+repeats, out = int(sys.argv[1]), sys.argv[2]
+strategy = keras_dist.resolve_strategy("auto")
+n = strategy.num_replicas_in_sync
+results = {"num_replicas_in_sync": n}
+
+
+def timed(values, options):
+    @tf.function
+    def step():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", values, options=options))
+
+    for _ in range(3):
+        step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - start) / repeats
+
+
+default = tf.distribute.experimental.CommunicationOptions()
+for megabytes in (1, 16, 64):
+    size = megabytes * 2**20
+    seconds = timed(tf.ones([size // 4]), default)
+    results[f"allreduce_{megabytes}MB"] = {"seconds": seconds, "busbw_MBps": size * 2 * (n - 1) / n / seconds / 2**20}
+
+small = [tf.ones([1024]) for _ in range(256)]
+results["packing"] = {
+    "256x4KB_pack_default": timed(small, default),
+    "256x4KB_pack_64KB": timed(small, tf.distribute.experimental.CommunicationOptions(bytes_per_pack=64 * 1024)),
+    "1x1MB": timed(tf.ones([256 * 1024]), default),
+}
+
+x = np.random.RandomState(0).rand(64 * 24, 256).astype("float32")
+for k in (1, 4):
+    inputs = keras.Input((256,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(1024, activation="relu")(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=k if k > 1 else None), loss="mse")
+    model.fit(x[:64 * 4], x[:64 * 4, :1], batch_size=64, epochs=1, verbose=0)  # trace
+    start = time.perf_counter()
+    model.fit(x, x[:, :1], batch_size=64, epochs=1, verbose=0, shuffle=False)
+    results[f"accumulation_k{k}_seconds_per_step"] = (time.perf_counter() - start) / 24
+if keras_dist.is_chief():
+    json.dump(results, open(out, "w"))
+'''
+
+
+def loopback_tcp_MBps(total=256 * 2**20, chunk=2**20):
+    """Returns MB/s of one TCP stream over 127.0.0.1, sending `total` bytes."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    received = [0]
+
+    def receive():
+        connection, _ = server.accept()
+        while received[0] < total:
+            data = connection.recv(chunk)
+            if not data:
+                break
+            received[0] += len(data)
+        connection.close()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    client = socket.create_connection(server.getsockname())
+    payload = b"\0" * chunk
+    start = time.perf_counter()
+    for _ in range(total // chunk):
+        client.sendall(payload)
+    client.close()
+    thread.join()
+    seconds = time.perf_counter() - start
+    server.close()
+    return received[0] / seconds / 2**20
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per measurement")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1"}
+    env.pop("TF_CONFIG", None)
+    tcp = loopback_tcp_MBps()
+    with tempfile.TemporaryDirectory() as tmp:
+        script, out = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
+        with open(script, "w") as f:
+            f.write(WORKER)
+        command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", script, str(args.repeats), out]
+        subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
+        with open(out) as f:
+            results = json.load(f)
+    results["loopback_tcp_MBps"] = tcp
+    print(f"2 workers x 1 CPU replica on loopback; loopback TCP (1 stream): {tcp:,.0f} MB/s\n")
+    print(f"{'all-reduce':<12}{'seconds':>10}{'busbw MB/s':>12}{'/ TCP':>8}")
+    for megabytes in (1, 16, 64):
+        r = results[f"allreduce_{megabytes}MB"]
+        print(f"{megabytes:>4} MB     {r['seconds']:>10.4f}{r['busbw_MBps']:>12,.0f}{r['busbw_MBps'] / tcp:>7.2f}x")
+    packing = results["packing"]
+    base = packing["1x1MB"]
+    print(f"\n{'1 MB as':<30}{'seconds':>10}{'vs 1 tensor':>13}")
+    for name, seconds in packing.items():
+        print(f"{name:<30}{seconds:>10.4f}{seconds / base:>12.2f}x")
+    k1, k4 = results["accumulation_k1_seconds_per_step"], results["accumulation_k4_seconds_per_step"]
+    print(f"\naccumulation: {k1:.4f} s/step with k=1, {k4:.4f} s/step with k=4 ({k4 / k1:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
