@@ -27,6 +27,7 @@ __all__ = [
     "get_data_adapter",
     "get_random_seed",
     "gradients_already_reduced",
+    "optimizer_chain",
 ]
 
 
@@ -72,6 +73,15 @@ def get_data_adapter(x, y=None, sample_weight=None, batch_size=None, steps=None)
     )
 
 
+def optimizer_chain(optimizer):
+    """Returns `[optimizer, its inner_optimizer, ...]` (a `LossScaleOptimizer` wraps another)."""
+    chain = []
+    while optimizer is not None and optimizer not in chain:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return chain
+
+
 @contextlib.contextmanager
 def gradients_already_reduced(optimizer):
     """Makes `optimizer.apply` skip its own cross-replica gradient sum while the block runs.
@@ -82,10 +92,7 @@ def gradients_already_reduced(optimizer):
     inner optimizer of a `LossScaleOptimizer`) takes the gradients as given.
     Only this instance changes, only while the block runs (at trace time).
     """
-    chain = []
-    while optimizer is not None and optimizer not in chain:
-        chain.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
+    chain = optimizer_chain(optimizer)
     for opt in chain:
         opt._all_reduce_sum_gradients = list
     try:

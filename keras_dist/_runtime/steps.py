@@ -71,11 +71,7 @@ def train_step(model, data, *, replica_loss_weight, all_reduce=None):
 
 
 def _accumulates_gradients(optimizer):
-    while optimizer is not None:
-        if getattr(optimizer, "gradient_accumulation_steps", None):
-            return True
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return False
+    return any(getattr(opt, "gradient_accumulation_steps", None) for opt in ki.optimizer_chain(optimizer))
 
 
 def batch_size_of(x):

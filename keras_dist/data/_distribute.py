@@ -11,14 +11,12 @@ import dataclasses
 import functools
 import os
 import types
-import warnings
 
 import keras
 import tensorflow as tf
 
-from keras_dist import errors
 from keras_dist._runtime import datasets as runtime_datasets
-from keras_dist.data import _sharding
+from keras_dist.data import _creator, _sharding
 from keras_dist.strategy import _plan
 
 _PRINTED = set()
@@ -77,9 +75,31 @@ def describe_source(x):
         return "dict of arrays"
     if isinstance(x, (list, tuple)):
         return "arrays"
-    if type(x).__module__.startswith("tensorflow") and "Distributed" in type(x).__name__:
+    if is_distributed(x):
         return "distributed dataset"
     return "NumPy arrays" if hasattr(x, "shape") else type(x).__name__
+
+
+def is_distributed(x):
+    """Returns whether `x` is already distributed (a `DatasetCreator`, or a tf.distribute dataset)."""
+    return isinstance(x, _creator.DatasetCreator) or (
+        type(x).__module__.startswith("tensorflow") and "Distributed" in type(x).__name__
+    )
+
+
+def function_input_plan(strategy, usage):
+    """Returns the `InputPlan` of a `DatasetCreator`: no auto-sharding, batches set by the function."""
+    return InputPlan(
+        usage=usage,
+        source="DatasetCreator",
+        num_workers=_plan.cluster_info_of(strategy).num_workers,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+        auto_shard_policy="off",
+        num_files=None,
+        sharding_reason="the input function shards itself",
+        global_batch_size=None,
+        per_replica_batch_sizes=None,
+    )
 
 
 def distribute_dataset(strategy, dataset, *, usage, source, distribute, auto_shard_policy="auto", batch_size=None):
@@ -116,8 +136,7 @@ def distribute_dataset(strategy, dataset, *, usage, source, distribute, auto_sha
         )
         dataset = _sharding.with_auto_shard_policy(dataset, decision.auto_shard_policy)
         if info.is_chief:
-            _sharding.warn_once(decision, num_workers)
-            _warn_whole_generator_per_worker(decision, source, num_workers)
+            _sharding.warn_once(decision, num_workers, source)
     global_batch_size = runtime_datasets.batch_size_of(dataset) or batch_size
     num_replicas = strategy.num_replicas_in_sync
     plan = InputPlan(
@@ -134,24 +153,6 @@ def distribute_dataset(strategy, dataset, *, usage, source, distribute, auto_sha
         ),
     )
     return distribute(dataset), plan
-
-
-def _warn_whole_generator_per_worker(decision, source, num_workers):
-    if decision.explicit or decision.auto_shard_policy != "data" or source not in ("Python generator", "keras.utils.PyDataset"):
-        return
-    key = ("generator", source)
-    if key in _sharding._WARNED:
-        return
-    _sharding._WARNED.add(key)
-    warnings.warn(
-        f"Sharding a {source} by DATA: each of the {num_workers} workers runs the whole {source} "
-        f"and keeps 1/{num_workers} of every batch (it must yield the same batches in the same "
-        "order on every worker). Fix: to have each worker produce only its share, pass a "
-        "`keras_dist.data.DatasetCreator` that builds a tf.data pipeline per worker, or set "
-        "auto_shard_policy='data' to say this is intended.",
-        errors.KerasDistWarning,
-        stacklevel=3,
-    )
 
 
 def announce(plan, strategy, *, print_fn=None):

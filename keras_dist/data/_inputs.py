@@ -18,7 +18,6 @@ import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist.data import _creator, _distribute
-from keras_dist.strategy import _plan
 
 
 def prepare(x, *, strategy, model, batch_size, batch_size_argument="batch_size"):
@@ -125,10 +124,7 @@ def bind_inputs(model, method, args, kwargs, names):
 def _prepare_one(model, x, batch_size, usage, batch_size_argument):
     strategy = model.distribute_strategy
     if isinstance(x, _creator.DatasetCreator):
-        plan = _distribute.InputPlan(
-            usage, "DatasetCreator", _plan.cluster_info_of(strategy).num_workers,
-            strategy.num_replicas_in_sync, "off", None, "the input function shards itself", None, None,
-        )
+        plan = _distribute.function_input_plan(strategy, usage)
         model.input_plan = plan
         _distribute.announce(plan, strategy)
     return prepare(
@@ -197,15 +193,9 @@ def _inputs_keras_distributes(usages, arguments):
     for usage, source, batch_size in candidates[: len(usages)]:
         if isinstance(source, tuple):
             source = source[0]
-        if source is None or _is_distributed(source):
+        if source is None or _distribute.is_distributed(source):
             continue
         yield usage, source, None if _is_dataset(source) else (batch_size or keras_default_batch_size)
-
-
-def _is_distributed(x):
-    return isinstance(x, (tf.distribute.DistributedDataset, _creator.DatasetCreator)) or (
-        type(x).__module__.startswith("tensorflow") and "Distributed" in type(x).__name__
-    )
 
 
 def _is_dataset(x):

@@ -42,12 +42,15 @@ class ShardingDecision:
             reads none (in-memory arrays, generators) or could not be counted.
         reason: String, one sentence for the plan.
         explicit: Boolean, whether the user chose the policy (no warning then).
+        fix: String, what the user can change to get FILE sharding back (for
+            the warning), or `""`.
     """
 
     auto_shard_policy: str
     num_files: object
     reason: str
     explicit: bool = False
+    fix: str = ""
 
 
 def validate_auto_shard_policy(policy):
@@ -114,61 +117,76 @@ def choose_auto_shard_policy(dataset, num_workers, requested="auto", *, keep_ord
             return ShardingDecision("data", num_files, reason, explicit=True)
         step = runtime_datasets.position_dependent_step(dataset)
         if step is not None:
+            step = step.strip("_").replace("Dataset", "")
             reason = (
-                f"the pipeline applies {step.strip('_').replace('Dataset', '')} after reading its files, which "
+                f"the pipeline applies {step} after reading its files, which "
                 "FILE sharding would apply to each worker's files separately"
             )
-            return ShardingDecision("data", num_files, reason)
+            fix = (
+                "drop the repeat() (Keras then makes one pass over the data per epoch)"
+                if step == "Repeat"
+                else "apply take/skip/zip before reading the files (on the file names)"
+            )
+            return ShardingDecision("data", num_files, reason, fix=f"{fix}, or use a DatasetCreator")
         if _compat.is_active("file_sharding_cache") and runtime_datasets.has_cache_after_files(dataset):
             reason = (
                 "the pipeline caches what it reads (`cache()`, or TFDS' autocache), and a filled "
                 "cache would give every worker every example under FILE sharding"
             )
-            return ShardingDecision("data", num_files, reason)
+            fix = (
+                "remove the cache(), or with TFDS pass read_config=tfds.ReadConfig(try_autocache=False), "
+                "or read per worker with a keras_dist.data.DatasetCreator and tfds.ReadConfig(input_context=...)"
+            )
+            return ShardingDecision("data", num_files, reason, fix=fix)
         return ShardingDecision("file", num_files, f"{num_files} files for {num_workers} workers")
     if num_files is None:
         reason = "the input reads no files (in-memory data or a generator)"
     else:
         reason = f"FILE sharding needs at least one file per worker; {num_files} file(s) for {num_workers} workers"
-    return ShardingDecision("data", num_files, reason)
+    fix = f"write the data as at least {num_workers} files (several per worker is better)"
+    return ShardingDecision("data", num_files, reason, fix=fix)
 
 
-def warn_once(decision, num_workers, *, is_chief=True):
-    """Warns, once per process and reason, when workers must read all of a file-based input.
+_RUN_WHOLE_PER_WORKER = ("Python generator", "keras.utils.PyDataset")
 
-    Reading in-memory data in full on each worker is what Keras does anyway,
-    so DATA for inputs without files is reported in the plan, not warned about.
+
+def warn_once(decision, num_workers, source):
+    """Warns, once per process and reason, when each worker must read all of an input.
+
+    Two cases: a file-based input sharded by DATA (each worker reads every
+    file), and a generator or `PyDataset` (each worker runs it whole). DATA
+    for in-memory arrays is what Keras does anyway: reported in the plan, not
+    warned about. Nothing is said for a policy the user chose.
+
+    Args:
+        decision: The `ShardingDecision` for the input.
+        num_workers: Integer, worker processes in the cluster.
+        source: String, the kind of input (`InputPlan.source`).
     """
-    if not is_chief or decision.explicit or decision.auto_shard_policy != "data" or decision.num_files is None:
+    if decision.explicit or decision.auto_shard_policy != "data":
         return
-    if decision.reason in _WARNED:
+    if decision.num_files is not None:
+        key = decision.reason
+        message = (
+            f"Sharding the input by DATA: {decision.reason}. Each of the {num_workers} workers reads "
+            f"all {decision.num_files} file(s) and keeps 1/{num_workers} of the examples, so input "
+            f"reading costs {num_workers}x what FILE sharding would. Every example is still used once "
+            f"per epoch. Fix: {decision.fix}, or set auto_shard_policy='data' to say this is intended."
+        )
+    elif source in _RUN_WHOLE_PER_WORKER:
+        key = source
+        message = (
+            f"Sharding a {source} by DATA: each of the {num_workers} workers runs the whole {source} "
+            f"and keeps 1/{num_workers} of every batch (it must yield the same batches in the same "
+            "order on every worker). Fix: to have each worker produce only its share, pass a "
+            "`keras_dist.data.DatasetCreator` that builds a tf.data pipeline per worker, or set "
+            "auto_shard_policy='data' to say this is intended."
+        )
+    else:
         return
-    _WARNED.add(decision.reason)
-    warnings.warn(
-        f"Sharding the input by DATA: {decision.reason}. Each of the {num_workers} workers reads "
-        f"all {decision.num_files} file(s) and keeps 1/{num_workers} of the examples, so input "
-        f"reading costs {num_workers}x what FILE sharding would. Every example is still used once "
-        f"per epoch. Fix: {_fix_for(decision, num_workers)}, or set auto_shard_policy='data' to say "
-        "this is intended.",
-        errors.KerasDistWarning,
-        stacklevel=2,
-    )
-
-
-def _fix_for(decision, num_workers):
-    if "Repeat after reading" in decision.reason:
-        return (
-            "drop the repeat() (Keras then makes one pass over the data per epoch), or read per worker "
-            "with a keras_dist.data.DatasetCreator"
-        )
-    if "after reading its files" in decision.reason:
-        return "apply take/skip/zip before reading the files (on the file names), or use a DatasetCreator"
-    if "cache" in decision.reason:
-        return (
-            "remove the cache(), or with TFDS pass read_config=tfds.ReadConfig(try_autocache=False), "
-            "or read per worker with a keras_dist.data.DatasetCreator and tfds.ReadConfig(input_context=...)"
-        )
-    return f"write the data as at least {num_workers} files (several per worker is better)"
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, errors.KerasDistWarning, stacklevel=3)
 
 
 def with_auto_shard_policy(dataset, policy):

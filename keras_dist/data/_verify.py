@@ -114,10 +114,7 @@ def verify_sharding(
     reference_ids = None
     if isinstance(x, _creator.DatasetCreator):
         distributed = strategy.distribute_datasets_from_function(x, options=x.input_options)
-        plan = _distribute.InputPlan(
-            "verify_sharding", "DatasetCreator", _num_workers(strategy), strategy.num_replicas_in_sync,
-            "off", None, "the input function shards itself", None, None,
-        )
+        plan = _distribute.function_input_plan(strategy, "verify_sharding")
     else:
         make_dataset = _dataset_factory(x, y, strategy=strategy, batch_size=batch_size, steps=steps)
         reference_ids = collections.Counter(_ids_of_dataset(make_dataset(), example_id, steps))
@@ -129,12 +126,6 @@ def verify_sharding(
         )
     ids, replicas = _gather_ids(strategy, distributed, example_id, steps)
     return _report(plan, strategy, ids, replicas, reference_ids)
-
-
-def _num_workers(strategy):
-    from keras_dist.strategy import _plan
-
-    return _plan.cluster_info_of(strategy).num_workers
 
 
 def _first_input(batch):

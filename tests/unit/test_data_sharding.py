@@ -306,3 +306,19 @@ def test_unbounded_file_list_is_sharded_by_data_and_says_why(tmp_path):
     dataset = tf.data.Dataset.from_tensor_slices(files).repeat().interleave(tf.data.TFRecordDataset).batch(2)
     decision = _sharding.choose_auto_shard_policy(dataset, 2)
     assert decision.auto_shard_policy == "data" and "unbounded" in decision.reason
+
+
+def test_warnings_once_per_reason_and_never_for_a_chosen_policy(monkeypatch):
+    monkeypatch.setattr(_sharding, "_WARNED", set())
+    too_few = _sharding.ShardingDecision("data", 1, "1 file(s) for 2 workers", fix="write more files")
+    with pytest.warns(keras_dist.errors.KerasDistWarning, match="reads all 1 file.*Fix: write more files"):
+        _sharding.warn_once(too_few, 2, "tf.data.Dataset")
+    with pytest.warns(keras_dist.errors.KerasDistWarning, match="each of the 2 workers runs the whole Python generator"):
+        _sharding.warn_once(_sharding.ShardingDecision("data", None, "no files"), 2, "Python generator")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _sharding.warn_once(too_few, 2, "tf.data.Dataset")  # said already
+        _sharding.warn_once(_sharding.ShardingDecision("data", None, "no files"), 2, "NumPy arrays")
+        _sharding.warn_once(_sharding.ShardingDecision("data", 1, "chosen", explicit=True), 2, "tf.data.Dataset")
