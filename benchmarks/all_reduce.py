@@ -12,9 +12,12 @@ gRPC collectives on loopback, one CPU replica each).
   packing        256 tensors of 4 KB summed in one `all_reduce` call, with
                  `bytes_per_pack` 0 (TensorFlow's default) and 64 KB, and the
                  same 1 MB as one tensor.
+  structure      one all-reduce of 8 floats: what the per-step gradient-structure
+                 check costs under MultiWorkerMirroredStrategy (a model with 4
+                 trainable variables sends 2 x 4 flags).
   accumulation   seconds per micro-batch step of `DistributedModel.fit` with
-                 `gradient_accumulation_steps` 1 and 4 (the gradients are
-                 still all-reduced every micro-batch: see docs/communication.md).
+                 `gradient_accumulation_steps` 1 and 4 (4 MB of gradients,
+                 all-reduced once per k micro-batches).
 
     python benchmarks/all_reduce.py [--repeats 10] [--json out.json]
 """
@@ -66,10 +69,12 @@ results["packing"] = {
     "1x1MB": timed(tf.ones([256 * 1024]), default),
 }
 
+results["structure_check_8_floats"] = timed(tf.ones([8]), default)
+
 x = np.random.RandomState(0).rand(64 * 24, 256).astype("float32")
 for k in (1, 4):
     inputs = keras.Input((256,))
-    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(1024, activation="relu")(inputs)))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(4096, activation="relu")(inputs)))
     model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=k if k > 1 else None), loss="mse")
     model.fit(x[:64 * 4], x[:64 * 4, :1], batch_size=64, epochs=1, verbose=0)  # trace
     start = time.perf_counter()
@@ -137,6 +142,8 @@ def main():
     print(f"\n{'1 MB as':<30}{'seconds':>10}{'vs 1 tensor':>13}")
     for name, seconds in packing.items():
         print(f"{name:<30}{seconds:>10.4f}{seconds / base:>12.2f}x")
+    check = results["structure_check_8_floats"]
+    print(f"\ngradient-structure check (8 floats): {check:.4f} s ({check / base:.2f}x one 1 MB all-reduce)")
     k1, k4 = results["accumulation_k1_seconds_per_step"], results["accumulation_k4_seconds_per_step"]
     print(f"\naccumulation: {k1:.4f} s/step with k=1, {k4:.4f} s/step with k=4 ({k4 / k1:.2f}x)")
     if args.json:

@@ -39,7 +39,7 @@ if not _is_keras_dist_command():
     _join_cluster_at_import()
 
     from keras_dist._model import DistributedModel
-    from keras_dist.collectives import CommunicationOptions
+    from keras_dist.collectives import CommunicationOptions, distributed_optimizer
     from keras_dist._runtime.devices import simulate_cpu_replicas
     from keras_dist._wrap import distribute
     from keras_dist.strategy import ClusterInfo, Plan, cluster_info, describe, is_chief
@@ -54,6 +54,7 @@ __all__ = [
     "cluster_info",
     "describe",
     "distribute",
+    "distributed_optimizer",
     "is_chief",
     "num_workers",
     "resolve_strategy",
@@ -67,6 +68,7 @@ _LAZY = {
     "CommunicationOptions": "keras_dist.collectives",
     "DistributedModel": "keras_dist._model",
     "distribute": "keras_dist._wrap",
+    "distributed_optimizer": "keras_dist.collectives",
     "simulate_cpu_replicas": "keras_dist._runtime.devices",
 }
 

@@ -18,6 +18,7 @@ from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import layers as runtime_layers
 from keras_dist._runtime import steps, variables
 from keras_dist.collectives import _all_reduce as collectives_all_reduce
+from keras_dist.collectives import _optimizer as collectives_optimizer
 from keras_dist.data import _inputs as data_inputs
 from keras_dist.data import _sharding as data_sharding
 from keras_dist.strategy import _cluster, _peer_errors, _plan, _resolve
@@ -228,6 +229,8 @@ class DistributedModel(keras.Model):
             kwargs["steps_per_execution"] = 1
         with strategy.scope():
             super().compile(*args, **kwargs)
+        if self.optimizer is not None:
+            collectives_optimizer.distributed_optimizer(self.optimizer, self.communication)
         self._distribute_state()
 
     def compile_from_config(self, config):
@@ -285,9 +288,11 @@ class DistributedModel(keras.Model):
         try:
             yield
         except tf.errors.InvalidArgumentError as e:
+            info = _cluster.cluster_from_environment()
+            if collectives_all_reduce.GRADIENT_STRUCTURE_MISMATCH in e.message:
+                raise RuntimeError(_peer_errors.gradient_structure_message(info, e.message)) from e
             if "collective" not in e.message.lower():
                 raise
-            info = _cluster.cluster_from_environment()
             raise RuntimeError(_peer_errors.out_of_step_message(info, e.message)) from e
         except _PEER_ERRORS as e:
             during = "collective" if isinstance(e, tf.errors.DeadlineExceededError) else "training"
@@ -302,17 +307,13 @@ class DistributedModel(keras.Model):
     def train_step(self, data):
         """Keras' `train_step`, with each replica's loss weighted by its share of the global batch.
 
-        Under several replicas the gradients are summed over the replicas
-        (with `communication`'s packing, timeout and compression) before
-        `optimizer.apply`, so gradient clipping acts on the global gradient.
+        The optimizer `compile` sets up sums the gradients over the replicas
+        (with `communication`'s packing, timeout and compression) before it
+        applies them (`keras_dist.distributed_optimizer`), so gradient clipping
+        acts on the global gradient; an overriding `train_step` that calls
+        `self.optimizer.apply` gets the same.
         """
-        all_reduce = None
-        if variables.is_multi_replica(self._distribute_strategy) and _compat.is_active("clip_after_all_reduce"):
-            options = self.communication
-            all_reduce = lambda gradients: collectives_all_reduce.all_reduce_gradients(gradients, options)  # noqa: E731
-        return steps.train_step(
-            self, data, replica_loss_weight=self._replica_loss_weight, all_reduce=all_reduce
-        )
+        return steps.train_step(self, data, replica_loss_weight=self._replica_loss_weight)
 
     def _replica_loss_weight(self, num_examples):
         """Returns `num_replicas_in_sync * local_examples / global_examples` (collective).
@@ -366,6 +367,10 @@ class DistributedModel(keras.Model):
 
     def make_train_function(self, force=False):
         self._distribute_state()
+        if getattr(self, "optimizer", None) is not None:
+            collectives_optimizer.prepare_gradient_accumulation(
+                self.optimizer, self._distribute_strategy, self.trainable_weights
+            )
         if self.train_function is None or force:
             self.train_function = steps.make_step_function(
                 self,

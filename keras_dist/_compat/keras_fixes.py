@@ -179,9 +179,9 @@ FIXES = {
             symptom="Under a multi-replica strategy clipnorm, clipvalue and global_clipnorm clip each "
             "replica's share of the gradient before the gradients are summed, so N replicas train to "
             "different weights than one device whenever clipping is active.",
-            remedy="DistributedModel.train_step sums the gradients over replicas (with the model's "
-            "CommunicationOptions) before optimizer.apply, which then clips the global gradient and "
-            "does not sum again.",
+            remedy="keras_dist.distributed_optimizer (applied by DistributedModel.compile) makes the "
+            "optimizer's apply sum the gradients over replicas (with the CommunicationOptions) first; "
+            "Keras' apply then clips the global gradient and does not sum again.",
             remove_when=_OPEN,
         ),
         Fix(
@@ -192,9 +192,11 @@ FIXES = {
             symptom="With an optimizer's gradient_accumulation_steps under a multi-replica strategy, "
             "the first step fails ('Exception encountered when calling Cond.call()'): optimizer.apply "
             "chooses between updating and accumulating with ops.cond, and both branches call merge_call.",
-            remedy="DistributedModel.train_step sums the gradients over replicas first and runs "
-            "optimizer.apply once in cross-replica context (one merge_call outside any conditional), "
-            "updating every replica's copy.",
+            remedy="Each replica adds its gradients to its own sync-on-read running sums; one merge_call "
+            "(outside any conditional) runs, in cross-replica context, a cond that on every k-th "
+            "micro-batch all-reduces the sums and calls Keras' apply (updating every replica's copy) "
+            "and otherwise only counts the step; a LossScaleOptimizer-wrapped optimizer sums each "
+            "micro-batch, then applies once in cross-replica context.",
             remove_when=_OPEN,
         ),
         Fix(

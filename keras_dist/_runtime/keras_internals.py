@@ -18,6 +18,7 @@ __all__ = [
     "Functional",
     "TensorFlowTrainer",
     "apply_once_in_cross_replica_context",
+    "apply_without_merge_call",
     "compile_arguments",
     "functional_init_arguments",
     "unpack_x_y_sample_weight",
@@ -91,18 +92,48 @@ def gradients_already_reduced(optimizer):
     sums them before `apply` instead; inside this block the optimizer (and the
     inner optimizer of a `LossScaleOptimizer`) takes the gradients as given.
     Only this instance changes, only while the block runs (at trace time).
+    Re-entrant: MirroredStrategy's replica threads each enter it, and the
+    override stays until the last one leaves.
     """
     chain = optimizer_chain(optimizer)
     for opt in chain:
+        opt.__dict__["_keras_dist_reduced_depth"] = opt.__dict__.get("_keras_dist_reduced_depth", 0) + 1
         opt._all_reduce_sum_gradients = list
     try:
         yield
     finally:
         for opt in chain:
-            opt.__dict__.pop("_all_reduce_sum_gradients", None)
+            opt.__dict__["_keras_dist_reduced_depth"] -= 1
+            if not opt.__dict__["_keras_dist_reduced_depth"]:
+                opt.__dict__.pop("_all_reduce_sum_gradients", None)
 
 
-def apply_once_in_cross_replica_context(optimizer, gradients, variables):
+@contextlib.contextmanager
+def _without_merge_call(strategy):
+    """Tells `strategy` it needs no `merge_call` while the block runs, so Keras' `maybe_merge_call`s run directly."""
+    extended = strategy.extended
+    extended._use_merge_call = lambda: False
+    try:
+        yield
+    finally:
+        extended.__dict__.pop("_use_merge_call", None)
+
+
+def apply_without_merge_call(optimizer, keras_apply, gradients, variables):
+    """Runs Keras' `apply` from cross-replica context on gradients already summed over replicas.
+
+    Args:
+        optimizer: The Keras optimizer.
+        keras_apply: The class's unbound `apply` (the instance's may be replaced).
+        gradients: List of summed gradients (plain tensors), `None` allowed.
+        variables: The matching trainable variables; `extended.update` inside
+            writes every replica's copy.
+    """
+    with _without_merge_call(tf.distribute.get_strategy()):
+        keras_apply(optimizer, gradients, variables)
+
+
+def apply_once_in_cross_replica_context(optimizer, gradients, variables, keras_apply):
     """Applies gradients already summed over replicas once, from cross-replica context.
 
     Keras' gradient accumulation makes `optimizer.apply` choose between
@@ -119,6 +150,7 @@ def apply_once_in_cross_replica_context(optimizer, gradients, variables):
         optimizer: The Keras optimizer.
         gradients: List of summed gradients (replica context), `None` allowed.
         variables: The matching list of trainable variables.
+        keras_apply: The class's unbound `apply`.
 
     Distributed behavior:
         Runs in replica context and calls `merge_call` once: every replica
@@ -128,11 +160,7 @@ def apply_once_in_cross_replica_context(optimizer, gradients, variables):
 
     def apply(strategy, summed):
         first = [None if g is None else strategy.experimental_local_results(g)[0] for g in summed]
-        extended = strategy.extended
-        extended._use_merge_call = lambda: False
-        try:
-            optimizer.apply_gradients(zip(first, variables))
-        finally:
-            extended.__dict__.pop("_use_merge_call", None)
+        with _without_merge_call(strategy):
+            keras_apply(optimizer, first, variables)
 
     context.merge_call(apply, args=(gradients,))

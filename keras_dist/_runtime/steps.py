@@ -12,11 +12,10 @@ from keras import tree
 
 from tensorflow.python.distribute.values import PerReplicaSpec
 
-from keras_dist import _compat
 from keras_dist._runtime import keras_internals as ki
 
 
-def train_step(model, data, *, replica_loss_weight, all_reduce=None):
+def train_step(model, data, *, replica_loss_weight):
     """Runs Keras' TensorFlow `train_step` with a per-replica loss weight.
 
     Identical to `keras.Model.train_step` on the TensorFlow backend (3.15), except
@@ -28,10 +27,6 @@ def train_step(model, data, *, replica_loss_weight, all_reduce=None):
         data: One per-replica batch: `x`, `(x, y)` or `(x, y, sample_weight)`.
         replica_loss_weight: Callable taking this replica's example count (int32
             scalar tensor) and returning a float scalar multiplier.
-        all_reduce: Optional callable summing a list of gradients over the
-            replicas; when given, gradients are summed before
-            `optimizer.apply` (so clipping sees the global gradient) and the
-            optimizer does not sum them again.
 
     Returns:
         Dict of metric results, as `model.compute_metrics` returns them.
@@ -56,22 +51,10 @@ def train_step(model, data, *, replica_loss_weight, all_reduce=None):
     if model.trainable_weights:
         trainable_weights = model.trainable_weights
         gradients = tape.gradient(loss, trainable_weights)
-        if all_reduce is None:
-            model.optimizer.apply_gradients(zip(gradients, trainable_weights))
-        else:
-            gradients = all_reduce(gradients)
-            with ki.gradients_already_reduced(model.optimizer):
-                if _accumulates_gradients(model.optimizer) and _compat.is_active("gradient_accumulation_under_strategy"):
-                    ki.apply_once_in_cross_replica_context(model.optimizer, gradients, trainable_weights)
-                else:
-                    model.optimizer.apply_gradients(zip(gradients, trainable_weights))
+        model.optimizer.apply_gradients(zip(gradients, trainable_weights))
     else:
         warnings.warn("The model does not have any trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-
-def _accumulates_gradients(optimizer):
-    return any(getattr(opt, "gradient_accumulation_steps", None) for opt in ki.optimizer_chain(optimizer))
 
 
 def batch_size_of(x):

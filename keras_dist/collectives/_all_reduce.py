@@ -1,9 +1,58 @@
-"""The gradient all-reduce of `DistributedModel.train_step`, on `ReplicaContext.all_reduce`."""
+"""The gradient all-reduce of `distributed_optimizer`, on TensorFlow's cross-device ops."""
 
 import tensorflow as tf
 
 
-def all_reduce_gradients(gradients, options):
+GRADIENT_STRUCTURE_MISMATCH = "keras-dist: the workers disagree on which variables receive a gradient"
+
+
+def gradient_kinds(gradients):
+    """Returns a float32 vector of length `2 * len(gradients)`: 1 where a gradient is dense, then 1 where sparse.
+
+    Which gradients are `None`, dense or `tf.IndexedSlices` is fixed when the
+    step is traced; it is a run-time tensor here only so that it can be summed
+    over the replicas.
+    """
+    dense = [float(g is not None and not isinstance(g, tf.IndexedSlices)) for g in gradients]
+    sparse = [float(isinstance(g, tf.IndexedSlices)) for g in gradients]
+    return tf.constant(dense + sparse, tf.float32)
+
+
+def assert_same_gradient_kinds(summed_kinds, num_replicas, names):
+    """Fails the step on every worker when replicas traced different gradient structures.
+
+    A variable that receives a gradient on some workers and none (or a sparse
+    one) on others would make the gradient all-reduce mismatch: a wrong sum
+    when the packed sizes happen to agree, a hang or a shape error otherwise.
+    Every worker sees the same summed vector, so every worker fails alike,
+    before the gradients are sent.
+
+    Args:
+        summed_kinds: `gradient_kinds` summed over all replicas.
+        num_replicas: Integer, `num_replicas_in_sync`.
+        names: List of the variables' names (strings), in gradient order.
+
+    Returns:
+        The assertion op (run it before the gradient all-reduce).
+
+    Raises:
+        tf.errors.InvalidArgumentError: At run time, naming the variables
+            whose gradient kind differs between replicas.
+    """
+    disagree = tf.logical_and(tf.not_equal(summed_kinds, 0.0), tf.not_equal(summed_kinds, float(num_replicas)))
+    disagree = tf.reduce_any(tf.reshape(disagree, [2, len(names)]), axis=0)
+    return tf.debugging.Assert(
+        tf.logical_not(tf.reduce_any(disagree)),
+        [
+            f"{GRADIENT_STRUCTURE_MISMATCH}; those below get a gradient on some replicas and none (or a "
+            "sparse one instead of a dense one) on others:",
+            tf.boolean_mask(tf.constant(names), disagree),
+        ],
+        summarize=20,
+    )
+
+
+def all_reduce_gradients(gradients, options, *, names=None):
     """Sums `gradients` over all replicas, with `options`' packing, timeout and compression.
 
     Args:
@@ -12,35 +61,81 @@ def all_reduce_gradients(gradients, options):
             compressed here) or `None` (a variable without gradient, kept as
             `None`).
         options: A `keras_dist.CommunicationOptions`.
+        names: Optional list of the variables' names. When given, the replicas
+            first check that they agree on which gradients are `None`, dense
+            or sparse (one all-reduce of `2 * len(gradients)` floats), and all
+            fail with those names if not (see `assert_same_gradient_kinds`).
 
     Returns:
         List of the summed gradients, in the same order and dtypes.
 
+    Raises:
+        tf.errors.InvalidArgumentError: At run time, with `names`, when the
+            replicas disagree on the gradient structure.
+
     Distributed behavior:
         Runs in replica context and is a collective: every replica of every
         worker must call it with the same structure of gradients (the same
-        `None` positions), which holds because every replica runs the same
-        step function on the same model.
+        `None` positions). Replicas of one worker run the same trace; workers
+        can differ only when Python code branches on the worker, which
+        `names` turns into an error instead of a mismatched collective.
     """
     context = tf.distribute.get_replica_context()
     present = [i for i, g in enumerate(gradients) if g is not None]
-    if context is None or not present:
+    if context is None:
         return list(gradients)
-    values = [_compress(gradients[i], options.compressed_dtype) for i in present]
+    checks = []
+    if names is not None:
+        summed_kinds = context.all_reduce(tf.distribute.ReduceOp.SUM, gradient_kinds(gradients))
+        checks = [assert_same_gradient_kinds(summed_kinds, context.num_replicas_in_sync, names)]
+    if not present:
+        return list(gradients)
+    with tf.control_dependencies(checks):
+        values = [_after_checks(v) for v in compress([gradients[i] for i in present], options)]
     reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, values, options=options.to_tensorflow())
     result = list(gradients)
     for i, value in zip(present, reduced):
-        result[i] = _decompress(value, gradients[i].dtype)
+        result[i] = decompress(value, gradients[i].dtype)
     return result
+
+
+def _after_checks(value):
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(value.values), value.indices, value.dense_shape)
+    return tf.identity(value)
+
+
+def cross_replica_sum(strategy, per_replica_values, options):
+    """Sums per-replica values over all replicas, from cross-replica context (`merge_call`).
+
+    Args:
+        strategy: The `tf.distribute.Strategy`.
+        per_replica_values: List of `PerReplica` tensors (already compressed
+            by `compress` when `options` asks for compression).
+        options: A `keras_dist.CommunicationOptions` (packing and timeout are used).
+
+    Returns:
+        List of mirrored sums, one per value.
+    """
+    pairs = [(value, value) for value in per_replica_values]
+    if not pairs:
+        return []
+    return strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs, options=options.to_tensorflow())
+
+
+def compress(gradients, options):
+    """Casts floating dense gradients to `options`' compressed dtype (others unchanged)."""
+    return [_compress(g, options.compressed_dtype) for g in gradients]
+
+
+def decompress(value, dtype):
+    """Casts a summed value back to its gradient's `dtype`."""
+    if isinstance(value, tf.IndexedSlices) or value.dtype == dtype:
+        return value
+    return tf.cast(value, dtype)
 
 
 def _compress(gradient, dtype):
     if dtype is None or isinstance(gradient, tf.IndexedSlices) or not gradient.dtype.is_floating:
         return gradient
     return tf.cast(gradient, dtype)
-
-
-def _decompress(value, dtype):
-    if isinstance(value, tf.IndexedSlices) or value.dtype == dtype:
-        return value
-    return tf.cast(value, dtype)

@@ -151,3 +151,28 @@ def out_of_step_message(info, error_text):
         "fit/evaluate/predict calls with the same epochs, steps and batch sizes (do not "
         "guard them with `if keras_dist.is_chief():`). See docs/troubleshooting.md#out-of-step."
     )
+
+
+def gradient_structure_message(info, error_text):
+    """Returns the message for workers whose steps give gradients to different variables.
+
+    Args:
+        info: `ClusterInfo` of this process.
+        error_text: String, TensorFlow's assertion message from
+            `keras_dist.collectives`' gradient-structure check; the variable
+            names follow the check's own sentence.
+
+    Example:
+    >>> message = gradient_structure_message(LOCAL, "assertion failed: [...on others:] [dense/kernel]")
+    >>> message[:62], "for: dense/kernel." in message
+    ('[worker:0] The workers disagree on which variables receive a g', True)
+    """
+    names = error_text.split("on others:", 1)[-1].split("\n", 1)[0].strip(" []")
+    return (
+        f"[{info.task_name}] The workers disagree on which variables receive a gradient. "
+        f"Expected: every worker's step gives a gradient to the same variables (dense or sparse alike). "
+        f"Received: a gradient on some workers and none (or a sparse one) on others for: {names[:500]}. "
+        "Fix: do not branch on `keras_dist.task_id()`, `is_chief()` or other per-worker Python values "
+        "inside `call` or `train_step`; use the same layers on every worker (a layer may take a zero "
+        "weight instead of being skipped). See docs/troubleshooting.md#gradient-structure."
+    )

@@ -267,3 +267,54 @@ def test_workers_running_different_programs_get_a_clear_error(tmp_path):
     result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
     assert result.returncode == 1, result.stdout[-3000:]
     assert "The workers are out of step: another worker ran a different collective" in result.stdout
+
+
+BRANCHING_SCRIPT = """
+import sys
+import keras_dist
+import keras, numpy as np
+
+
+class Branching(keras_dist.DistributedModel):
+    def __init__(self):
+        super().__init__()
+        self.shared = keras.layers.Dense(1, name="shared")
+        self.first = keras.layers.Dense(1, name="first_worker_only")
+        self.second = keras.layers.Dense(1, name="second_worker_only")
+
+    def call(self, x):
+        # A per-worker Python branch: equal shapes, so the packed all-reduce sizes agree and, unchecked,
+        # worker 0's `first` gradient would be summed with worker 1's `second` gradient.
+        other = self.first if keras_dist.task_id() == 0 else self.second
+        return self.shared(x) + other(x)
+
+
+x = np.random.RandomState(0).rand(64, 4).astype("float32")
+model = Branching()
+model.build((None, 4))
+model.first.build((None, 4))
+model.second.build((None, 4))
+steps = int(sys.argv[1])
+model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=steps if steps > 1 else None), loss="mse")
+model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0)
+print("finished without error", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_workers_giving_gradients_to_different_variables_fail_naming_them(tmp_path, accumulation):
+    """Issue 5 item 6: no hang and no silently wrong sum when workers disagree on which gradients are None."""
+    script = tmp_path / "branching.py"
+    script.write_text(BRANCHING_SCRIPT)
+    command = [
+        sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", "--grace-period", "3",
+        str(script), str(accumulation),
+    ]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
+    assert result.returncode == 1, result.stdout[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "The workers disagree on which variables receive" in line]
+    assert lines, result.stdout[-3000:]
+    assert "first_worker_only/kernel" in lines[0] and "second_worker_only/kernel" in lines[0]
+    assert "shared/kernel" not in lines[0]
+    assert "finished without error" not in result.stdout

@@ -6,10 +6,13 @@ from keras_dist import collectives, data, errors, strategy
 PUBLIC = {
     "keras_dist": [
         "ClusterInfo", "CommunicationOptions", "DistributedModel", "Plan", "__version__", "cluster_info", "describe",
-        "distribute", "is_chief", "num_workers", "resolve_strategy", "simulate_cpu_replicas",
+        "distribute", "distributed_optimizer", "is_chief", "num_workers", "resolve_strategy", "simulate_cpu_replicas",
         "task_id", "task_type",
     ],
-    "keras_dist.collectives": ["COMPRESSIONS", "IMPLEMENTATIONS", "CommunicationOptions"],
+    "keras_dist.collectives": [
+        "COMPRESSIONS", "IMPLEMENTATIONS", "CommunicationOptions", "distributed_optimizer",
+        "prepare_gradient_accumulation",
+    ],
     "keras_dist.data": [
         "AUTO_SHARD_POLICIES", "DatasetCreator", "InputPlan", "ShardingReport", "verify_sharding",
         "with_auto_shard_policy",

@@ -1,0 +1,171 @@
+"""distributed_optimizer: sum over replicas before clipping, in fit, user train_steps and custom loops; accumulation."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dist
+from keras_dist.testing import max_weight_difference
+
+KERNEL_SHAPE = (4, 3)  # Only the first Dense kernel has this shape: its all-reduces are the gradient all-reduces.
+
+
+class CountingReduction(tf.distribute.ReductionToOneDevice):
+    """TF's ReductionToOneDevice, counting (at run time) the batch reductions that carry the kernel gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        reduced = super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+        shapes = [tuple(tf.distribute.get_strategy().experimental_local_results(v)[0].shape) for v, _ in value_destination_pairs]
+        if KERNEL_SHAPE in shapes:
+            with tf.control_dependencies(tf.nest.flatten(reduced, expand_composites=True)):
+                self.count.assign_add(1)
+        return reduced
+
+
+def _model(model_class, optimizer, **kwargs):
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(inputs)
+    model = model_class(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(hidden), **kwargs)
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def _data(num_examples=32):
+    x = np.random.RandomState(0).rand(num_examples, 4).astype("float32")
+    return x, x.sum(1, keepdims=True)
+
+
+@pytest.mark.parametrize("steps", [None, 2, 4])
+def test_accumulation_all_reduces_gradients_once_per_k_micro_batches(steps):
+    counting = CountingReduction()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=counting)
+    x, y = _data(64)  # 8 micro-batches of 8 per epoch
+    model = _model(
+        keras_dist.DistributedModel, keras.optimizers.Adam(0.05, gradient_accumulation_steps=steps), strategy=strategy
+    )
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    reference = _model(keras.Model, keras.optimizers.Adam(0.05, gradient_accumulation_steps=steps))
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    assert int(counting.count.numpy()) == 16 // (steps or 1)
+    assert max_weight_difference(reference, model) < 1e-5
+    assert int(np.asarray(model.optimizer.iterations)) == int(np.asarray(reference.optimizer.iterations))
+
+
+def test_accumulation_with_ema_and_weight_decay_matches_single_device(mirrored_1x2_cpu):
+    """Micro-batches that only accumulate still take Keras' per-apply EMA step."""
+
+    def optimizer():
+        return keras.optimizers.AdamW(
+            0.05, weight_decay=0.1, use_ema=True, ema_overwrite_frequency=3, gradient_accumulation_steps=2
+        )
+
+    x, y = _data(48)
+    model = _model(keras_dist.DistributedModel, optimizer(), strategy=mirrored_1x2_cpu)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    reference = _model(keras.Model, optimizer())
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-5
+    model_ema = [v.numpy() for v in model.optimizer._model_variables_moving_average]
+    reference_ema = [v.numpy() for v in reference.optimizer._model_variables_moving_average]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(model_ema, reference_ema)) < 1e-5
+
+
+class _ClippingTrainStep:
+    """A user-written train_step (the Keras guide's), calling `self.optimizer.apply` itself."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return {"loss": loss}
+
+
+class UserModel(_ClippingTrainStep, keras.Model):
+    pass
+
+
+class UserDistributedModel(_ClippingTrainStep, keras_dist.DistributedModel):
+    pass
+
+
+@pytest.mark.parametrize("clipping", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05}, {"clipvalue": 0.01}])
+def test_user_train_step_clips_the_global_gradient(multi_replica_strategy, clipping):
+    x, y = _data(36)
+    model = _model(UserDistributedModel, keras.optimizers.SGD(0.5, **clipping), strategy=multi_replica_strategy)
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    reference = _model(UserModel, keras.optimizers.SGD(0.5, **clipping))
+    reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-5
+
+
+def _custom_loop(strategy, optimizer, wrap):
+    x, y = _data(32)
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+        optimizer = optimizer()
+        if wrap:
+            keras_dist.distributed_optimizer(optimizer, {"bytes_per_pack": 64})
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+
+    @tf.function
+    def train_step(batch):
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(model(xb, training=True) - yb)) / 8.0
+            gradients = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+
+        strategy.run(step, args=batch)
+
+    for batch in dataset:
+        train_step(batch)
+    return model
+
+
+def _one_device_loop(optimizer):
+    x, y = _data(32)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+    optimizer = optimizer()
+    for start in range(0, 32, 8):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x[start : start + 8]) - y[start : start + 8])) / 8.0
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    return model
+
+
+def test_raw_optimizer_in_a_custom_loop_clips_the_global_gradient(mirrored_1x2_cpu):
+    """An optimizer never given to compile: plain Keras clips each replica's share; distributed_optimizer the sum."""
+
+    def optimizer():
+        return keras.optimizers.SGD(0.5, momentum=0.9, global_clipnorm=0.5)
+
+    reference = _one_device_loop(optimizer)
+    plain = _custom_loop(mirrored_1x2_cpu, optimizer, wrap=False)
+    wrapped = _custom_loop(mirrored_1x2_cpu, optimizer, wrap=True)
+    assert max_weight_difference(reference, wrapped) < 1e-6
+    assert max_weight_difference(reference, plain) > 1e-3
+
+
+def test_distributed_optimizer_refuses_other_objects():
+    with pytest.raises(TypeError, match="expects a `keras.optimizers.Optimizer`. Received: str"):
+        keras_dist.distributed_optimizer("adam")
+
+
+def test_distributed_optimizer_keeps_the_optimizer_usable_on_one_device():
+    optimizer = keras_dist.distributed_optimizer(keras.optimizers.SGD(0.1))
+    variable = keras.Variable([1.0, 2.0])
+    optimizer.apply([tf.constant([1.0, 1.0])], [variable])
+    np.testing.assert_allclose(variable.numpy(), [0.9, 1.9])
+    assert keras.optimizers.deserialize(keras.optimizers.serialize(optimizer)).get_config() == optimizer.get_config()
