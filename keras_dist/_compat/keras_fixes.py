@@ -172,16 +172,18 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
-            name="clip_after_all_reduce",
+            name="sum_gradients_before_apply",
             package="keras",
             affected=">=3.0",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (apply: _clip_gradients before _backend_update_step's all-reduce)",
-            symptom="Under a multi-replica strategy clipnorm, clipvalue and global_clipnorm clip each "
-            "replica's share of the gradient before the gradients are summed, so N replicas train to "
-            "different weights than one device whenever clipping is active.",
+            symptom="Under a multi-replica strategy the optimizer decides on each replica's share of the "
+            "gradient before the gradients are summed: clipnorm, clipvalue and global_clipnorm clip "
+            "each share (N replicas train to different weights than one device), and LossScaleOptimizer "
+            "checks only the first replica's share for inf/NaN (an overflow on another replica is "
+            "summed into the weights, which become inf/NaN, and the loss scale is not lowered).",
             remedy="keras_dist.distributed_optimizer (applied by DistributedModel.compile) makes the "
             "optimizer's apply sum the gradients over replicas (with the CommunicationOptions) first; "
-            "Keras' apply then clips the global gradient and does not sum again.",
+            "Keras' apply then checks and clips the global gradient and does not sum again.",
             remove_when=_OPEN,
         ),
         Fix(

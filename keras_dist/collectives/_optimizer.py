@@ -26,7 +26,7 @@ def distributed_optimizer(optimizer, communication=None):
     Clipping (`clipnorm`, `clipvalue`, `global_clipnorm`), weight decay and
     loss-scale checks therefore see the global gradient, as on one device.
     Keras 3 alone sums inside the update step, after clipping each replica's
-    share (see docs/compat.md, `clip_after_all_reduce`).
+    share (see docs/compat.md, `sum_gradients_before_apply`).
 
     With `gradient_accumulation_steps=k`, each replica keeps its own running
     sum and the sums are all-reduced once every k micro-batches
@@ -100,7 +100,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     if (
         context is None
         or context.num_replicas_in_sync == 1
-        or not _compat.is_active("clip_after_all_reduce")
+        or not _compat.is_active("sum_gradients_before_apply")
     ):
         return keras_apply(optimizer, grads, trainable_variables)
     options = optimizer.__dict__[_OPTIONS]
