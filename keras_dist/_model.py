@@ -8,6 +8,7 @@ strategy (see `keras_dist._compat.keras_fixes`).
 """
 
 import contextlib
+import os
 import warnings
 
 import keras
@@ -17,6 +18,8 @@ from keras_dist import _compat, collectives, errors
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import layers as runtime_layers
 from keras_dist._runtime import steps, variables
+from keras_dist.callbacks import _adapt as callbacks_adapt
+from keras_dist.callbacks import _coordination as callbacks_coordination
 from keras_dist.collectives import _all_reduce as collectives_all_reduce
 from keras_dist.collectives import _optimizer as collectives_optimizer
 from keras_dist.data import _inputs as data_inputs
@@ -256,10 +259,53 @@ class DistributedModel(keras.Model):
         Distributed behavior:
             Collective: every worker must call `fit` with the same arguments.
             Progress is printed on the chief only (`verbose=0` elsewhere).
+            Standard Keras callbacks are made safe on several workers:
+            `ModelCheckpoint` and `BackupAndRestore` write through `save` /
+            `save_weights` (chief only, atomically), `CSVLogger` and
+            `TensorBoard` run on the chief only, and a `stop_training` set on
+            any worker stops all of them at the same batch or epoch boundary
+            (docs/callbacks.md).
         """
         arguments = data_inputs.bind_inputs(self, keras.Model.fit, args, kwargs, ("x", "validation_data"))
+        arguments["callbacks"] = callbacks_adapt.adapt_callbacks(arguments.get("callbacks"), self, self._agreement())
         with self._naming_lost_workers(), data_inputs.distributing_inputs(self, ["fit", "validation"], arguments):
             return super().fit(**self._chief_only_verbosity(arguments))
+
+    # ------------------------------------------------------------ saving
+    def save(self, filepath, *args, **kwargs):
+        """Saves the model, as `keras.Model.save`, atomically and on the chief only.
+
+        The file is written under a temporary name in the same directory and
+        renamed to `filepath` (a crash mid-write leaves the previous file, never
+        a half one). Under several workers only the chief writes; every worker
+        returns once the file is complete.
+
+        Raises:
+            RuntimeError: On a non-chief worker, when the chief failed to write.
+            Whatever `keras.Model.save` raises (on the chief).
+
+        Distributed behavior:
+            Collective under several workers: every worker must call it
+            (callbacks such as `ModelCheckpoint` do).
+        """
+        if _asks_before_overwriting(filepath, args, kwargs):  # Keras' interactive prompt, on the real path.
+            return super().save(filepath, *args, **kwargs)
+        return self._agreement().chief_writes(lambda path: super(DistributedModel, self).save(path, *args, **kwargs), filepath)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """Saves the weights, as `keras.Model.save_weights`, atomically and on the chief only (see `save`)."""
+        if _asks_before_overwriting(filepath, args, kwargs):
+            return super().save_weights(filepath, *args, **kwargs)
+        return self._agreement().chief_writes(
+            lambda path: super(DistributedModel, self).save_weights(path, *args, **kwargs), filepath
+        )
+
+    def _agreement(self):
+        agreement = self.__dict__.get("_keras_dist_agreement")
+        if agreement is None or agreement.strategy is not self._distribute_strategy:
+            agreement = callbacks_coordination.WorkerAgreement(self._distribute_strategy)
+            self.__dict__["_keras_dist_agreement"] = agreement
+        return agreement
 
     def evaluate(self, *args, **kwargs):
         """Evaluates the model, exactly as `keras.Model.evaluate` (see `fit` for errors)."""
@@ -415,6 +461,11 @@ class DistributedModel(keras.Model):
             with self._distribute_strategy.scope():
                 steps.symbolic_build_from_spec(self, data_batch)
         self._distribute_state()
+
+
+def _asks_before_overwriting(filepath, args, kwargs):
+    overwrite = args[0] if args else kwargs.get("overwrite", True)
+    return not overwrite and tf.io.gfile.exists(os.fspath(filepath))
 
 
 def _require_gpus_for_nccl(communication):

@@ -1,0 +1,112 @@
+"""What the workers agree on outside the training step: a flag any worker raised, and the chief's writes."""
+
+import contextlib
+import os
+import uuid
+
+import tensorflow as tf
+
+from keras_dist._runtime import variables
+from keras_dist.strategy import _plan
+
+
+class WorkerAgreement:
+    """Collectives run between steps, from Python, on every worker of `strategy`.
+
+    Args:
+        strategy: The model's `tf.distribute.Strategy`. With one worker every
+            method is local and sends nothing.
+
+    Distributed behavior:
+        Every method is a collective under `MultiWorkerMirroredStrategy`:
+        every worker must call it at the same point (callbacks at the same
+        batch or epoch boundary do).
+    """
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.multi_worker = variables.is_multi_worker(strategy)
+        self._sum = None
+
+    def any(self, flag):
+        """Returns True on every worker when `flag` (bool) is True on at least one."""
+        if not self.multi_worker:
+            return bool(flag)
+        return self._summed(1.0 if flag else 0.0) > 0
+
+    def barrier(self):
+        """Returns once every worker has called it."""
+        if self.multi_worker:
+            self._summed(0.0)
+
+    def _summed(self, value):
+        if self._sum is None:
+            strategy = self.strategy
+
+            @tf.function
+            def summed(value):
+                def replica_fn(value):
+                    value = tf.identity(value)  # On this replica's device: the all-reduce needs one.
+                    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+                return strategy.experimental_local_results(strategy.run(replica_fn, args=(value,)))[0]
+
+            self._sum = summed
+        return float(self._sum(tf.constant(value, tf.float32)))
+
+    def chief_writes(self, write, filepath):
+        """Runs `write(path)` on the chief only, atomically, and returns when every worker knows it is done.
+
+        The chief writes to a temporary name in the same directory (same
+        extension, so Keras picks the same format) and renames it to
+        `filepath`: a crash mid-write leaves the previous file, never a half
+        one. Other workers write nothing and wait for the chief.
+
+        Args:
+            write: Callable taking the path to write to.
+            filepath: String or `os.PathLike`, the user's path (local or any
+                `tf.io.gfile` file system).
+
+        Returns:
+            What `write` returned on the chief, `None` elsewhere.
+
+        Raises:
+            RuntimeError: On a non-chief worker, when the chief's write failed
+                (the chief raises the original error).
+        """
+        if self.multi_worker and not _plan.is_chief(self.strategy):
+            if self.any(False):
+                raise RuntimeError(
+                    f"The chief failed to write {os.fspath(filepath)!r}; its log has the error. "
+                    "Expected: the chief writes the files the user asked for and the other workers "
+                    "wait for it. Fix: the cause on the chief (often a missing or read-only directory)."
+                )
+            return None
+        try:
+            with atomic_path(filepath) as temporary:
+                result = write(temporary)
+        except BaseException:
+            self.any(True)
+            raise
+        self.any(False)
+        return result
+
+
+@contextlib.contextmanager
+def atomic_path(filepath):
+    """Yields a temporary path next to `filepath`; renames it to `filepath` when the block succeeds.
+
+    The temporary name keeps `filepath`'s full extension (`.weights.h5`,
+    `.keras`, `.json`). On failure the temporary file is removed and
+    `filepath` is untouched.
+    """
+    filepath = os.fspath(filepath)
+    directory, name = os.path.split(filepath)
+    stem, dot, extension = name.partition(".")
+    temporary = os.path.join(directory, f".{stem}.tmp-{uuid.uuid4().hex[:8]}{dot}{extension}")
+    try:
+        yield temporary
+        tf.io.gfile.rename(temporary, filepath, overwrite=True)
+    finally:
+        if tf.io.gfile.exists(temporary):
+            tf.io.gfile.remove(temporary)

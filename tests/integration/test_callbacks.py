@@ -1,0 +1,57 @@
+"""Standard Keras callbacks on 2 workers: chief-only atomic writes, chief-only logs, agreed stops."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multi_worker
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "callbacks_worker.py")
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def _launch(tmp_path, scenario):
+    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", WORKER, str(tmp_path), scenario]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return [json.load(open(tmp_path / f"worker-{i}.json")) for i in range(2)]
+
+
+@pytest.mark.timeout(180)
+def test_standard_callbacks_write_once_on_the_chief_and_files_load(tmp_path):
+    chief, other = _launch(tmp_path, "standard")
+    run = tmp_path / "run"
+    assert sorted(os.listdir(run)) == [
+        "backup", "batch.weights.h5", "best.weights.h5", "ckpt-01.keras", "ckpt-02.keras", "final.keras", "log.csv",
+        "tensorboard",
+    ]  # No temporary files left; EarlyStopping stopped both workers after epoch 2.
+    assert chief["calls"] == {"keras_save": 3, "keras_save_weights": 7, "csv_epoch_end": 2, "tensorboard_epoch_end": 2}
+    assert other["calls"] == {"keras_save": 0, "keras_save_weights": 0, "csv_epoch_end": 0, "tensorboard_epoch_end": 0}
+    assert chief["epochs"] == other["epochs"] == 2 and chief["iterations"] == other["iterations"] == 16
+    assert chief["learning_rate"] == other["learning_rate"] == pytest.approx(0.025)  # ReduceLROnPlateau, on both
+    trained = [np.array(w, "float32") for w in chief["weights"]]
+    assert all(np.array_equal(a, np.array(b, "float32")) for a, b in zip(trained, other["weights"]))
+
+    for name in ("ckpt-02.keras", "final.keras"):
+        loaded = keras.models.load_model(run / name)
+        assert all(np.allclose(a, b) for a, b in zip(loaded.get_weights(), trained)), name
+    inputs = keras.Input((4,))
+    plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    plain.load_weights(run / "best.weights.h5")  # Loss fell every epoch: the best is the last.
+    assert all(np.allclose(a, b) for a, b in zip(plain.get_weights(), trained))
+    assert json.loads((run / "backup" / "training_metadata.json").read_text()) == {"epoch": 2, "batch": 0}
+    assert (run / "log.csv").read_text().count("\n") == 3  # Header and 2 epochs, written once.
+
+
+@pytest.mark.timeout(180)
+def test_a_stop_on_one_worker_stops_both_at_the_same_batch(tmp_path):
+    """Without the agreement worker 1 leaves fit and worker 0 waits in the next step's collective."""
+    first, second = _launch(tmp_path, "stop_one")
+    assert first["iterations"] == second["iterations"] == 8 + 3
+    assert first["epochs"] == second["epochs"] == 2
+    assert first["weights"] == second["weights"]
