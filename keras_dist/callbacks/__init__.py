@@ -1,9 +1,13 @@
 """Layer 1: Keras callbacks made safe on several workers.
 
 Owns: adapting the callbacks a user passes to `DistributedModel.fit` (chief-only
-logs, chief-only atomic writes, agreed `stop_training`) and the collectives that
-run between steps for them (`WorkerAgreement`). Must not: change what a
+logs, chief-only atomic writes, agreed `stop_training`), the collectives that
+run between steps for them (`WorkerAgreement`), and the callbacks of our own:
+`LearningRateWarmup`, `ThroughputMonitor`, `RetracingMonitor`. Must not: change what a
 callback computes, or write files on non-chief workers under the user's paths.
 """
 
-__all__ = []
+from keras_dist.callbacks._monitors import RetracingMonitor, ThroughputMonitor
+from keras_dist.callbacks._warmup import LearningRateWarmup
+
+__all__ = ["LearningRateWarmup", "RetracingMonitor", "ThroughputMonitor"]

@@ -1,0 +1,155 @@
+"""`ThroughputMonitor` and `RetracingMonitor`: what a distributed run does per second and per trace."""
+
+import time
+import warnings
+
+import keras
+import numpy as np
+
+from keras_dist import errors
+
+
+class ThroughputMonitor(keras.callbacks.Callback):
+    """Adds training throughput and step-time percentiles to each epoch's logs.
+
+    Per epoch, in the logs (so `History`, `CSVLogger` and `TensorBoard` placed
+    after this callback record them too):
+
+    - `examples_per_second`: examples of all replicas per second of
+      training (global batch size x steps / seconds from the first step's
+      start to the last step's end; validation excluded).
+    - `examples_per_second_per_replica`: the same, divided by
+      `num_replicas_in_sync`.
+    - `step_seconds_p50`, `step_seconds_p90`: percentiles of the time of
+      one step, in seconds (each step waits for its results, so the times
+      are real, not dispatch times).
+
+    The global batch size comes from `model.input_plan` (`DistributedModel`),
+    else from `fit`'s `batch_size`; a partial last batch is counted as full.
+    The first `skip_steps` steps of the first epoch (tracing, warm-up) are
+    left out.
+
+    Args:
+        skip_steps: Integer >= 0, steps left out at the start of training
+            (default 1: the step that traces the function).
+
+    Distributed behavior:
+        Runs on every worker; every worker measures its own steps, which
+        are synchronous, so the figures agree to timing noise.
+    """
+
+    def __init__(self, skip_steps=1):
+        super().__init__()
+        if not isinstance(skip_steps, int) or skip_steps < 0:
+            raise ValueError(f"`skip_steps` must be an integer >= 0. Received: {skip_steps!r}.")
+        self.skip_steps = skip_steps
+        self._seen = 0
+        self._step_times = []
+        self._start = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._step_times = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        _wait_for(logs)
+        self._seen += 1
+        if self._seen > self.skip_steps and self._start is not None:
+            self._step_times.append(time.perf_counter() - self._start)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or not self._step_times:
+            return
+        times = np.array(self._step_times)
+        steps_per_execution = getattr(self.model, "steps_per_execution", 1) or 1
+        examples = self._global_batch_size() * len(times) * steps_per_execution
+        replicas = getattr(getattr(self.model, "distribute_strategy", None), "num_replicas_in_sync", 1)
+        logs["examples_per_second"] = examples / float(times.sum())
+        logs["examples_per_second_per_replica"] = logs["examples_per_second"] / replicas
+        logs["step_seconds_p50"] = float(np.percentile(times, 50))
+        logs["step_seconds_p90"] = float(np.percentile(times, 90))
+
+    def _global_batch_size(self):
+        plan = getattr(self.model, "input_plan", None)
+        if getattr(plan, "usage", None) == "fit" and getattr(plan, "global_batch_size", None):
+            return plan.global_batch_size
+        return (self.params or {}).get("batch_size") or 0
+
+
+def _wait_for(logs):
+    """Blocks until the step that produced `logs` has finished (TensorFlow runs it asynchronously)."""
+    for value in (logs or {}).values():
+        keras.ops.convert_to_numpy(value)
+        return
+
+
+class RetracingMonitor(keras.callbacks.Callback):
+    """Counts traces of the train, test and predict functions; warns when they retrace.
+
+    Each `tf.function` trace builds a new graph for every replica (seconds,
+    each time); a trace per new input shape (variable-length sequences, a
+    partial last batch, Python scalars as inputs) is a retracing storm. Per
+    epoch this adds `train_traces` (new traces of the train function during
+    the epoch) to the logs and warns once per function whose traces keep
+    growing after the first epoch, with the input signatures it was traced
+    for and how to fix it.
+
+    Args:
+        max_traces_per_epoch: Integer >= 0: more new traces than this in an
+            epoch after the first one warn (default 1: the partial last
+            batch may cost one).
+
+    Distributed behavior:
+        Runs on every worker; warnings print on every worker that retraces.
+    """
+
+    FUNCTIONS = ("train_function", "test_function", "predict_function")
+
+    def __init__(self, max_traces_per_epoch=1):
+        super().__init__()
+        if not isinstance(max_traces_per_epoch, int) or max_traces_per_epoch < 0:
+            raise ValueError(
+                f"`max_traces_per_epoch` must be an integer >= 0. Received: {max_traces_per_epoch!r}."
+            )
+        self.max_traces_per_epoch = max_traces_per_epoch
+        self.traces = {}
+        self._at_epoch_begin = {}
+        self._warned = set()
+
+    def tracing_count(self, name):
+        """Returns how many times `model.<name>` was traced (0 when it is not a `tf.function` yet)."""
+        function = getattr(self.model, name, None)
+        count = getattr(function, "experimental_get_tracing_count", None)
+        return count() if count is not None else 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._at_epoch_begin = {name: self.tracing_count(name) for name in self.FUNCTIONS}
+
+    def on_epoch_end(self, epoch, logs=None):
+        for name in self.FUNCTIONS:
+            total = self.tracing_count(name)
+            new = total - self._at_epoch_begin.get(name, 0)
+            self.traces[name] = total
+            if name == "train_function" and logs is not None:
+                logs["train_traces"] = new
+            if epoch > 0 and new > self.max_traces_per_epoch and name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(self._message(name, epoch, new), errors.KerasDistWarning, stacklevel=2)
+
+    def _message(self, name, epoch, new):
+        function = getattr(self.model, name)
+        try:
+            signatures = function.pretty_printed_concrete_signatures()
+        except Exception:  # noqa: BLE001 (a description only)
+            signatures = "(not available)"
+        return (
+            f"model.{name} was traced {new} times in epoch {epoch} (expected: at most "
+            f"{self.max_traces_per_epoch} after the first epoch). Each trace rebuilds the step for every "
+            f"replica. Received input signatures:\n{signatures[:2000]}\nFix: give batches static shapes "
+            "(pad variable-length inputs to a few bucket lengths, e.g. "
+            "`tf.data.Dataset.bucket_by_sequence_length(..., pad_to_bucket_boundary=True)`, or pad to one "
+            "length), use `drop_remainder=True` for the partial last batch, and pass tensors, not Python "
+            "numbers, as inputs. See docs/callbacks.md#retracing."
+        )

@@ -1,0 +1,112 @@
+"""LearningRateWarmup, ThroughputMonitor and RetracingMonitor on 2 replicas."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist
+from keras_dist import errors
+from keras_dist.callbacks import LearningRateWarmup, RetracingMonitor, ThroughputMonitor
+
+
+class RecordLearningRate(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+
+def _model(strategy, learning_rate=0.1, **compile_kwargs):
+    inputs = keras.Input((3,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=strategy)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse", **compile_kwargs)
+    return model
+
+
+def _data(n=64):
+    x = np.random.RandomState(0).rand(n, 3).astype("float32")
+    return x, x.sum(1, keepdims=True)
+
+
+def test_warmup_reaches_the_linearly_scaled_rate_step_by_step(mirrored_1x2_cpu):
+    """Goyal et al. 2017: k = num_replicas_in_sync by default; linear in steps; left alone afterwards."""
+    model, record = _model(mirrored_1x2_cpu), RecordLearningRate()
+    model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[LearningRateWarmup(warmup_steps=4), record])
+    np.testing.assert_allclose(record.rates, [0.1, 0.125, 0.15, 0.175, 0.2, 0.2, 0.2, 0.2], rtol=1e-6)
+
+
+def test_warmup_with_a_base_batch_size_and_epochs(mirrored_1x2_cpu):
+    model, record = _model(mirrored_1x2_cpu), RecordLearningRate()
+    warmup = LearningRateWarmup(warmup_epochs=0.5, base_batch_size=4)  # global batch 16: k = 4; 4 steps per epoch
+    history = model.fit(*_data(), batch_size=16, epochs=2, verbose=0, callbacks=[warmup, record])
+    np.testing.assert_allclose(record.rates, [0.1, 0.25, 0.4, 0.4, 0.4, 0.4, 0.4, 0.4], rtol=1e-6)
+    assert history.history["learning_rate"] == pytest.approx([0.4, 0.4])
+
+
+def test_warmup_continues_where_a_restored_run_left_it(mirrored_1x2_cpu):
+    model, first, second = _model(mirrored_1x2_cpu), RecordLearningRate(), RecordLearningRate()
+    x, y = _data()
+    model.fit(x[:16], y[:16], batch_size=8, epochs=1, verbose=0, callbacks=[LearningRateWarmup(warmup_steps=4), first])
+    model.fit(x[:32], y[:32], batch_size=8, epochs=1, verbose=0, callbacks=[LearningRateWarmup(warmup_steps=4), second])
+    np.testing.assert_allclose(first.rates + second.rates, [0.1, 0.125, 0.15, 0.175, 0.2, 0.2], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({}, "exactly one of"), ({"warmup_epochs": 1, "warmup_steps": 2}, "exactly one of"), ({"warmup_steps": 0}, "> 0")],
+)
+def test_warmup_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LearningRateWarmup(**kwargs)
+
+
+def test_warmup_refuses_a_schedule(mirrored_1x2_cpu):
+    inputs = keras.Input((3,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    model.compile(optimizer=keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)), loss="mse")
+    with pytest.raises(ValueError, match="LearningRateSchedule does not allow"):
+        model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[LearningRateWarmup(warmup_steps=2)])
+
+
+def test_throughput_monitor_logs_rates_and_percentiles(mirrored_1x2_cpu):
+    model = _model(mirrored_1x2_cpu)
+    history = model.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[ThroughputMonitor()])
+    logs = history.history
+    assert all(v > 0 for v in logs["examples_per_second"])
+    np.testing.assert_allclose(np.array(logs["examples_per_second"]) / 2, logs["examples_per_second_per_replica"])
+    assert all(p50 <= p90 for p50, p90 in zip(logs["step_seconds_p50"], logs["step_seconds_p90"]))
+    # examples / s = global batch x steps / summed step time: the median step is consistent with it.
+    assert 8 / max(logs["step_seconds_p90"]) <= max(logs["examples_per_second"]) * 1.5
+
+
+class PredictGrowingInputs(keras.callbacks.Callback):
+    """A retracing storm: each epoch predicts on longer sequences, a new input signature each time."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.predict(np.zeros((4, 3 + epoch), "int32"), verbose=0)
+
+
+def _sequence_model(strategy):
+    inputs = keras.Input((None,), dtype="int32")
+    hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 2)(inputs))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(hidden), strategy=strategy)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_retracing_monitor_warns_with_the_signatures(mirrored_1x2_cpu):
+    model = _sequence_model(mirrored_1x2_cpu)
+    x = np.zeros((16, 5), "int32")
+    monitor = RetracingMonitor(max_traces_per_epoch=0)
+    with pytest.warns(errors.KerasDistWarning, match=r"(?s)model.predict_function was traced 1 times in epoch 1.*Fix: give"):
+        history = model.fit(x, np.zeros((16, 1)), batch_size=8, epochs=3, verbose=0, callbacks=[PredictGrowingInputs(), monitor])
+    assert history.history["train_traces"][1:] == [0, 0]
+    assert monitor.traces["predict_function"] >= 2  # Keras relaxes the shape after two traces.
+
+
+def test_retracing_monitor_is_quiet_on_static_shapes(mirrored_1x2_cpu, recwarn):
+    model = _sequence_model(mirrored_1x2_cpu)
+    model.fit(np.zeros((16, 5), "int32"), np.zeros((16, 1)), batch_size=8, epochs=3, verbose=0, callbacks=[RetracingMonitor()])
+    assert not [w for w in recwarn if issubclass(w.category, errors.KerasDistWarning)]
