@@ -20,6 +20,7 @@ from keras_dist._runtime import layers as runtime_layers
 from keras_dist._runtime import steps, variables
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _coordination as callbacks_coordination
+from keras_dist.callbacks import _resume as callbacks_resume
 from keras_dist.collectives import _all_reduce as collectives_all_reduce
 from keras_dist.collectives import _optimizer as collectives_optimizer
 from keras_dist.data import _inputs as data_inputs
@@ -255,6 +256,8 @@ class DistributedModel(keras.Model):
                 message names it.
             ValueError: `x` is a `tf.data.Dataset` of single examples and no
                 `batch_size` says how to batch them.
+            SystemExit: Status 75 after SIGTERM, once the backup is saved
+                (only with a `BackupAndRestore` among the callbacks).
 
         Distributed behavior:
             Collective: every worker must call `fit` with the same arguments.
@@ -264,12 +267,33 @@ class DistributedModel(keras.Model):
             `save_weights` (chief only, atomically), `CSVLogger` and
             `TensorBoard` run on the chief only, and a `stop_training` set on
             any worker stops all of them at the same batch or epoch boundary
-            (docs/callbacks.md).
+            (docs/callbacks.md). With a `BackupAndRestore`, a backup taken
+            mid-epoch resumes at the step after it, and SIGTERM makes every
+            worker save one backup at the same step and exit the process
+            with status 75 ("restart me").
         """
         arguments = data_inputs.bind_inputs(self, keras.Model.fit, args, kwargs, ("x", "validation_data"))
-        arguments["callbacks"] = callbacks_adapt.adapt_callbacks(arguments.get("callbacks"), self, self._agreement())
-        with self._naming_lost_workers(), data_inputs.distributing_inputs(self, ["fit", "validation"], arguments):
-            return super().fit(**self._chief_only_verbosity(arguments))
+        backups = callbacks_resume.backups_in(arguments.get("callbacks"))
+        resumed_steps = callbacks_resume.steps_done_in_epoch(backups[0]) if backups else 0
+        arguments["callbacks"] = callbacks_adapt.adapt_callbacks(
+            arguments.get("callbacks"), self, self._agreement(), resumed_steps=resumed_steps
+        )
+        agree_on_stop = arguments["callbacks"][-1]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self._naming_lost_workers())
+            stack.enter_context(data_inputs.distributing_inputs(self, ["fit", "validation"], arguments))
+            stack.enter_context(callbacks_resume.skipping_resumed_steps(self, resumed_steps))
+            if backups:
+                stack.enter_context(callbacks_resume.catching_sigterm())
+            history = super().fit(**self._chief_only_verbosity(arguments))
+        if agree_on_stop.preempted:
+            print(
+                f"keras-dist: SIGTERM: every worker saved a backup in {backups[0].backup_dir!r} and stopped; "
+                f"exiting with status {callbacks_resume.RESTART_EXIT_STATUS} (run the same command again to resume).",
+                flush=True,
+            )
+            raise SystemExit(callbacks_resume.RESTART_EXIT_STATUS)
+        return history
 
     # ------------------------------------------------------------ saving
     def save(self, filepath, *args, **kwargs):

@@ -7,11 +7,9 @@ reads on every worker and writes on the chief; and a stop requested on any
 worker stops every worker at the same boundary.
 """
 
-import json
-
 import keras
-import tensorflow as tf
 
+from keras_dist.callbacks import _resume as resume
 from keras_dist.strategy import _plan
 
 # Callbacks whose only effect is files or console output: run on the chief alone.
@@ -33,32 +31,35 @@ _DECIDE_ON_REDUCED_LOGS = (
 )
 
 
-def adapt_callbacks(callbacks, model, agreement):
+def adapt_callbacks(callbacks, model, agreement, resumed_steps=0):
     """Returns the callbacks `fit` should run on this worker.
 
     Args:
         callbacks: The user's list of `keras.callbacks.Callback` (or `None`).
         model: The `DistributedModel`.
         agreement: Its `WorkerAgreement`.
+        resumed_steps: Integer, steps of the first epoch a `BackupAndRestore`
+            backup had done (skipped on resume).
 
     Returns:
         A new list: log-only callbacks dropped on non-chief workers,
-        `BackupAndRestore` made chief-writing, and an `AgreeOnStop` last.
-        Unchanged (a copy) with one worker.
+        `BackupAndRestore` made resumable mid-epoch and chief-writing, and
+        an `AgreeOnStop` last. With one worker and no `BackupAndRestore`,
+        the same callbacks (a copy) and `AgreeOnStop`, which then only
+        reads this worker's flag.
     """
     callbacks = list(callbacks or [])
-    if not agreement.multi_worker:
-        return callbacks
     is_chief = _plan.is_chief(model.distribute_strategy)
     adapted = []
     for callback in callbacks:
-        if isinstance(callback, _CHIEF_ONLY) and not is_chief:
+        if agreement.multi_worker and isinstance(callback, _CHIEF_ONLY) and not is_chief:
             continue
-        if isinstance(callback, keras.callbacks.BackupAndRestore):
-            _write_backups_on_chief(callback, agreement)
         adapted.append(callback)
-    stops_alone = [c for c in adapted if _may_stop_alone(c)]
-    adapted.append(AgreeOnStop(agreement, every_batch=bool(stops_alone)))
+    backups = resume.backups_in(adapted)
+    for backup in backups:
+        resume.make_resumable(backup, agreement, resumed_steps)
+    stops_alone = agreement.multi_worker and any(_may_stop_alone(c) for c in adapted)
+    adapted.append(AgreeOnStop(agreement, every_batch=bool(stops_alone or backups), backups=backups))
     return adapted
 
 
@@ -70,62 +71,50 @@ def _may_stop_alone(callback):
 
 
 class AgreeOnStop(keras.callbacks.Callback):
-    """Stops every worker when a callback on any worker set `model.stop_training`.
+    """Stops every worker when a callback on any worker set `model.stop_training`, or on SIGTERM.
 
     Runs last on every worker: at each epoch end (and each batch end when a
     callback that may decide alone is present: one that is not a standard
-    Keras callback reading reduced logs and overrides a batch hook) the
-    workers all-reduce their `stop_training` flags. Without it, a worker that
-    stops alone leaves the others waiting in the next step's collective.
+    Keras callback reading reduced logs and overrides a batch hook; or when
+    a `BackupAndRestore` makes the run resumable) the workers all-reduce
+    their `stop_training` flags and whether SIGTERM arrived. Without it, a
+    worker that stops alone leaves the others waiting in the next step's
+    collective. After SIGTERM on any worker, every worker saves one backup
+    at that same step and stops; `DistributedModel.fit` then exits with
+    `RESTART_EXIT_STATUS`.
 
     Args:
         agreement: The model's `WorkerAgreement`.
         every_batch: Also agree after every training batch (one small
-            all-reduce per batch).
+            all-reduce per batch under several workers).
+        backups: The `BackupAndRestore` callbacks made resumable.
     """
 
-    def __init__(self, agreement, every_batch):
+    def __init__(self, agreement, every_batch, backups=()):
         super().__init__()
         self.agreement = agreement
         self.every_batch = every_batch
+        self.backups = list(backups)
+        self.preempted = False
+        self._steps_this_epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._steps_this_epoch = 0
 
     def on_train_batch_end(self, batch, logs=None):
+        self._steps_this_epoch += 1
         if self.every_batch:
             self._agree()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._agree()
+        if not self.preempted:
+            self._agree()
 
     def _agree(self):
-        self.model.stop_training = self.agreement.any(bool(self.model.stop_training))
-
-
-def _write_backups_on_chief(callback, agreement):
-    """Makes a `BackupAndRestore` write its metadata on the chief only, atomically; every worker reads it."""
-
-    def save_model():
-        if _plan.is_chief(agreement.strategy) and not tf.io.gfile.exists(callback.backup_dir):
-            tf.io.gfile.makedirs(callback.backup_dir)
-        callback.model.save_weights(filepath=callback._weights_path, overwrite=True)  # Chief-only, atomic, agreed.
-
-        def write_metadata(path):
-            with tf.io.gfile.GFile(path, "w") as f:
-                f.write(json.dumps({"epoch": callback._current_epoch, "batch": callback._last_batch_seen}))
-
-        agreement.chief_writes(write_metadata, callback._training_metadata_path)
-
-    original_train_end = callback.on_train_end
-
-    def on_train_end(logs=None):
-        agreement.barrier()
-        if _plan.is_chief(agreement.strategy):
-            original_train_end(logs)
-
-    if callback.double_checkpoint:
-        raise ValueError(
-            "BackupAndRestore(double_checkpoint=True) is not supported on several workers yet: "
-            "keras-dist writes each backup atomically instead (a crash never leaves a half file). "
-            "Received: double_checkpoint=True. Fix: pass double_checkpoint=False."
-        )
-    callback._save_model = save_model
-    callback.on_train_end = on_train_end
+        stop, preempt = self.agreement.any_of([bool(self.model.stop_training), resume.PREEMPTION.requested])
+        if preempt and self.backups and not self.preempted:
+            self.preempted = True
+            for backup in self.backups:
+                backup.keras_dist_save_for_preemption(self._steps_this_epoch)
+            stop = True
+        self.model.stop_training = stop

@@ -30,16 +30,20 @@ class WorkerAgreement:
 
     def any(self, flag):
         """Returns True on every worker when `flag` (bool) is True on at least one."""
+        return self.any_of([flag])[0]
+
+    def any_of(self, flags):
+        """Returns, for each of `flags` (list of bools), whether it is True on at least one worker (one all-reduce)."""
         if not self.multi_worker:
-            return bool(flag)
-        return self._summed(1.0 if flag else 0.0) > 0
+            return [bool(flag) for flag in flags]
+        return [value > 0 for value in self._summed([1.0 if flag else 0.0 for flag in flags])]
 
     def barrier(self):
         """Returns once every worker has called it."""
         if self.multi_worker:
-            self._summed(0.0)
+            self._summed([0.0])
 
-    def _summed(self, value):
+    def _summed(self, values):
         if self._sum is None:
             strategy = self.strategy
 
@@ -52,7 +56,7 @@ class WorkerAgreement:
                 return strategy.experimental_local_results(strategy.run(replica_fn, args=(value,)))[0]
 
             self._sum = summed
-        return float(self._sum(tf.constant(value, tf.float32)))
+        return [float(v) for v in self._sum(tf.constant(values, tf.float32)).numpy()]
 
     def chief_writes(self, write, filepath):
         """Runs `write(path)` on the chief only, atomically, and returns when every worker knows it is done.

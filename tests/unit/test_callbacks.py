@@ -21,25 +21,29 @@ def _model(strategy):
 def test_a_crash_mid_write_keeps_the_previous_file(tmp_path, mirrored_1x2_cpu, name):
     model = _model(mirrored_1x2_cpu)
     path = tmp_path / name
-    save = model.save if name.endswith(".keras") else model.save_weights
-    save(path)
+    (model.save if name.endswith(".keras") else model.save_weights)(path)
     before = path.read_bytes()
 
-    def crash(self, filepath, *args, **kwargs):
-        with open(filepath, "wb") as f:
+    def crash(temporary):
+        with open(temporary, "wb") as f:
             f.write(b"half a file")
         raise OSError("disk full")
 
-    model.set_weights([w + 1 for w in model.get_weights()])
-    original = keras.Model.save if name.endswith(".keras") else keras.Model.save_weights
-    try:
-        setattr(keras.Model, original.__name__, crash)
-        with pytest.raises(OSError, match="disk full"):
-            save(path)
-    finally:
-        setattr(keras.Model, original.__name__, original)
+    with pytest.raises(OSError, match="disk full"):
+        model._agreement().chief_writes(crash, path)  # What DistributedModel.save and save_weights go through.
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == [name]  # The temporary file is gone too.
+
+
+def test_save_writes_through_a_temporary_name(tmp_path, mirrored_1x2_cpu, monkeypatch):
+    model = _model(mirrored_1x2_cpu)
+    renames = []
+    original = _coordination.tf.io.gfile.rename
+    monkeypatch.setattr(_coordination.tf.io.gfile, "rename", lambda a, b, overwrite: renames.append((a, b)) or original(a, b, overwrite))
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    assert [os.path.basename(b) for _, b in renames] == ["m.keras", "m.weights.h5"]
+    assert all(os.path.basename(a).startswith(".m.tmp-") for a, _ in renames)
 
 
 def test_saved_files_load_with_the_trained_weights(tmp_path, mirrored_1x2_cpu):
@@ -66,7 +70,8 @@ def test_atomic_path_keeps_the_whole_extension(tmp_path):
 def test_one_worker_keeps_the_callbacks_and_decides_locally(mirrored_1x2_cpu):
     agreement = _coordination.WorkerAgreement(mirrored_1x2_cpu)
     callbacks = [keras.callbacks.CSVLogger("log.csv"), keras.callbacks.EarlyStopping()]
-    assert _adapt.adapt_callbacks(callbacks, _model(mirrored_1x2_cpu), agreement) == callbacks
+    adapted = _adapt.adapt_callbacks(callbacks, _model(mirrored_1x2_cpu), agreement)
+    assert adapted[:-1] == callbacks and isinstance(adapted[-1], _adapt.AgreeOnStop) and not adapted[-1].every_batch
     assert agreement.any(True) and not agreement.any(False)
     agreement.barrier()
 

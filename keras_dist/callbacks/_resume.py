@@ -1,0 +1,219 @@
+"""Resume after failure: mid-epoch backups, agreed saves on SIGTERM, and the "restart me" exit status.
+
+Keras' `BackupAndRestore` restores the epoch only: a backup taken in the middle
+of an epoch replays that epoch from its start, on weights that already include
+part of it (more steps than an uninterrupted run). keras-dist records how many
+steps of the epoch were done, skips those batches of the input when it
+resumes, and on SIGTERM (a scheduler's preemption notice) has every worker
+agree to save once at the same step, then exit with `RESTART_EXIT_STATUS`.
+"""
+
+import contextlib
+import json
+import signal
+import threading
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_dist import errors
+from keras_dist.strategy import _plan
+
+RESTART_EXIT_STATUS = 75  # EX_TEMPFAIL in sysexits.h: "temporary failure; the user is invited to retry".
+STEPS_KEY = "keras_dist_steps_done_in_epoch"
+_RAN_OUT_OF_DATA = "Your input ran out of data"
+
+
+class _Preemption:
+    """Whether this process received SIGTERM while `fit` ran (set from the signal handler)."""
+
+    def __init__(self):
+        self.requested = False
+
+
+PREEMPTION = _Preemption()
+
+
+@contextlib.contextmanager
+def catching_sigterm():
+    """While the block runs, SIGTERM only sets `PREEMPTION.requested` (main thread only; else a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        del signum, frame
+        PREEMPTION.requested = True
+
+    PREEMPTION.requested = False
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def backups_in(callbacks):
+    """Returns the `keras.callbacks.BackupAndRestore` instances in `callbacks`."""
+    return [c for c in callbacks or [] if isinstance(c, keras.callbacks.BackupAndRestore)]
+
+
+def steps_done_in_epoch(backup):
+    """Returns how many steps of its epoch the last backup of `backup` had done (0 at an epoch end)."""
+    path = backup._training_metadata_path
+    if not tf.io.gfile.exists(path):
+        return 0
+    with tf.io.gfile.GFile(path) as f:
+        try:
+            return int(json.loads(f.read()).get(STEPS_KEY, 0))
+        except (ValueError, TypeError):
+            return 0
+
+
+@contextlib.contextmanager
+def skipping_resumed_steps(model, steps):
+    """Skips the first `steps` batches of the training input's first iteration while `fit` runs.
+
+    The training input is the first one `fit` hands to
+    `strategy.experimental_distribute_dataset`; its first iterator is
+    advanced by `steps` batches (on every worker alike), so the resumed epoch
+    runs only the steps the backup had not done. Keras then finds the epoch
+    short and warns that the input "ran out of data"; that warning is
+    silenced for this call only.
+    """
+    if not steps:
+        yield
+        return
+    strategy = model.distribute_strategy
+    current = strategy.experimental_distribute_dataset  # May be keras_dist.data's routing.
+    had_instance_attribute = "experimental_distribute_dataset" in strategy.__dict__
+    state = {"pending": steps}
+
+    def distribute(dataset, options=None):
+        distributed = current(dataset, options=options)
+        if state["pending"]:
+            distributed, state["pending"] = _SkipOnFirstIteration(distributed, state["pending"]), 0
+        return distributed
+
+    strategy.experimental_distribute_dataset = distribute
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_RAN_OUT_OF_DATA)
+            yield
+    finally:
+        if had_instance_attribute:
+            strategy.experimental_distribute_dataset = current
+        else:
+            del strategy.experimental_distribute_dataset
+
+
+class _SkipOnFirstIteration:
+    """A distributed dataset whose first iterator starts `steps` batches in."""
+
+    def __init__(self, distributed, steps):
+        self._distributed = distributed
+        self._steps = steps
+
+    def __iter__(self):
+        iterator = iter(self._distributed)
+        steps, self._steps = self._steps, 0
+        for _ in range(steps):
+            next(iterator)
+        return iterator
+
+    def __getattr__(self, name):
+        return getattr(self._distributed, name)
+
+
+def make_resumable(backup, agreement, resumed_steps):
+    """Makes `backup` write on the chief only, atomically, with the steps done in the epoch.
+
+    Args:
+        backup: A `keras.callbacks.BackupAndRestore`.
+        agreement: The model's `WorkerAgreement`.
+        resumed_steps: Integer, steps of the first epoch skipped on resume
+            (added to the step count of backups taken in that epoch).
+
+    Raises:
+        ValueError: `double_checkpoint=True` under several workers.
+    """
+    if backup.double_checkpoint and agreement.multi_worker:
+        raise ValueError(
+            "BackupAndRestore(double_checkpoint=True) is not supported on several workers yet: "
+            "keras-dist writes each backup atomically instead (a crash never leaves a half file). "
+            "Received: double_checkpoint=True. Fix: pass double_checkpoint=False."
+        )
+    if backup.double_checkpoint:
+        warnings.warn(
+            "BackupAndRestore(double_checkpoint=True) is not needed with keras-dist, which writes each "
+            "backup atomically (a crash never leaves a half file); the previous backup is not kept.",
+            errors.KerasDistWarning,
+            stacklevel=3,
+        )
+    state = {"epoch": 0, "first_epoch": True, "offset": resumed_steps, "frozen": False, "at_epoch_end": False}
+
+    def save(steps_this_run):
+        """Writes weights, then the metadata, each atomically; the chief writes, every worker waits."""
+        if state["frozen"]:
+            return
+        epoch, steps = state["epoch"], steps_this_run + (state["offset"] if state["first_epoch"] else 0)
+        total = (backup.params or {}).get("steps")
+        if state["at_epoch_end"] or (total and steps >= total):
+            epoch, steps = epoch + 1, 0  # A finished epoch: resume at the next one's start.
+        if _plan.is_chief(agreement.strategy) and not tf.io.gfile.exists(backup.backup_dir):
+            tf.io.gfile.makedirs(backup.backup_dir)
+        backup.model.save_weights(filepath=backup._weights_path, overwrite=True)
+        metadata = {"epoch": epoch, "batch": max(steps - 1, 0), STEPS_KEY: steps}
+
+        def write_metadata(path):
+            with tf.io.gfile.GFile(path, "w") as f:
+                f.write(json.dumps(metadata))
+
+        agreement.chief_writes(write_metadata, backup._training_metadata_path)
+
+    def save_model():  # Keras calls this at epoch ends (save_freq="epoch") and every `save_freq` batches.
+        save(0 if state["at_epoch_end"] else backup._last_batch_seen + 1)
+
+    keras_epoch_begin, keras_epoch_end, keras_train_end = backup.on_epoch_begin, backup.on_epoch_end, backup.on_train_end
+    keras_batch_end = backup.on_train_batch_end
+
+    def on_epoch_begin(epoch, logs=None):
+        state["epoch"], state["batches"] = epoch, 0
+        state["iterations_at_begin"] = int(keras.ops.convert_to_numpy(backup.model.optimizer._iterations))
+        keras_epoch_begin(epoch, logs)
+
+    def on_train_batch_end(batch, logs=None):
+        state["batches"] += 1
+        keras_batch_end(batch, logs)
+
+    def on_epoch_end(epoch, logs=None):
+        if state["first_epoch"] and state["offset"]:
+            # The resumed epoch is shorter than Keras expects: its loop calls the train function once
+            # more, which fails for lack of data, but TensorFlow may already have run the optimizer's
+            # iteration increment (it does not depend on the data). Count only the steps that ran.
+            steps_per_execution = getattr(backup.model, "steps_per_execution", 1) or 1
+            backup.model.optimizer._iterations.assign(state["iterations_at_begin"] + state["batches"] * steps_per_execution)
+        state["at_epoch_end"] = True
+        try:
+            keras_epoch_end(epoch, logs)
+        finally:
+            state["at_epoch_end"] = False
+            state["first_epoch"] = False
+
+    def on_train_end(logs=None):
+        agreement.barrier()
+        if _plan.is_chief(agreement.strategy) and not state["frozen"]:
+            keras_train_end(logs)
+
+    def save_for_preemption(steps_this_run):
+        """Saves once at the agreed step; Keras' end-of-epoch save of the cut epoch is then ignored."""
+        save(steps_this_run)
+        state["frozen"] = True
+
+    backup._save_model = save_model
+    backup.on_epoch_begin = on_epoch_begin
+    backup.on_train_batch_end = on_train_batch_end
+    backup.on_epoch_end = on_epoch_end
+    backup.on_train_end = on_train_end
+    backup.keras_dist_save_for_preemption = save_for_preemption
