@@ -20,7 +20,7 @@ import tensorflow as tf
 from keras_dist import errors
 from keras_dist.strategy import _plan
 
-RESTART_EXIT_STATUS = 75  # EX_TEMPFAIL in sysexits.h: "temporary failure; the user is invited to retry".
+from keras_dist._process import RESTART_EXIT_STATUS  # noqa: E402 (75, EX_TEMPFAIL)
 STEPS_KEY = "keras_dist_steps_done_in_epoch"
 _RAN_OUT_OF_DATA = "Your input ran out of data"
 

@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from keras_dist._process import RESTART_EXIT_STATUS
+
 _POLL_SECONDS = 0.1
 _READER_JOIN_SECONDS = 5.0
 
@@ -72,6 +74,7 @@ class WorkerGroup:
         self._readers = []
         self._signal = None
         self._stopping = False
+        self.received_signal = None
 
     def run(self, command, envs):
         """Starts one worker per `envs` item and waits for all of them.
@@ -115,8 +118,12 @@ class WorkerGroup:
         while True:
             if self._signal is not None:
                 received = signal.Signals(self._signal)
+                self.received_signal = received
                 self._say(f"received {received.name}; forwarding it to the workers.")
                 self._stop_all(received)
+                if any(proc.returncode == RESTART_EXIT_STATUS for proc in self._processes.values()):
+                    self._say(f"the workers saved their state; exiting with status {RESTART_EXIT_STATUS} (restart to resume).")
+                    return RESTART_EXIT_STATUS
                 return 128 + received
             returncodes = {task_id: proc.poll() for task_id, proc in self._processes.items()}
             failed = [(task_id, code) for task_id, code in returncodes.items() if code not in (None, 0)]

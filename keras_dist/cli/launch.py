@@ -11,7 +11,12 @@ Exit status of `keras-dist launch`:
     0 when every worker exits with status 0;
     the status of the first worker seen failing, or 128 + N when that worker was
     killed by signal N (the shell's convention, e.g. 137 for SIGKILL);
-    130 after SIGINT and 143 after SIGTERM to the launcher;
+    130 after SIGINT and 143 after SIGTERM to the launcher, or 75 when the
+    workers saved a backup on that SIGTERM (a `BackupAndRestore` in `fit`):
+    run the same command again to resume;
+    with --max-restarts N, a failed worker group is restarted up to N times
+    (new ports, KERAS_DIST_RESTART_COUNT=1, 2, ...), and the status is that of
+    the last attempt;
     2 for a bad command line (reported by argparse before any process starts).
 """
 
@@ -22,6 +27,7 @@ import os
 import socket
 import sys
 
+from keras_dist._process import RESTART_COUNT_ENV
 from keras_dist.cli._worker_group import WorkerGroup, exit_status_message, launcher_exit_status
 
 LOOPBACK = "127.0.0.1"
@@ -273,6 +279,8 @@ def launch_command_parser(subparsers):
     add("--collective-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_COLLECTIVE_TIMEOUT")
     add("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD, metavar="SECONDS",
         help=f"wait after SIGTERM/SIGINT before SIGKILL (default {DEFAULT_GRACE_PERIOD:g})")
+    add("--max-restarts", type=int, default=0, metavar="N",
+        help="restart all workers up to N times after a failure (default 0); the script resumes with BackupAndRestore")
     add("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
     add("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     add("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments passed to SCRIPT unchanged")
@@ -299,22 +307,37 @@ def launch_command(args):
         if getattr(args, "parser", None) is None:
             raise
         args.parser.error(str(exc))
-    if args.workers is not None:
-        cluster_spec = build_cluster_spec(addresses=parse_worker_addresses(args.workers))
-        task_ids = [args.task_index]
-    else:
-        num_workers = DEFAULT_NUM_WORKERS if args.num_workers is None else args.num_workers
-        cluster_spec = build_cluster_spec(ports=find_free_ports(num_workers))
-        task_ids = range(num_workers)
     options = dict(
         cpu_replicas=args.cpu_replicas,
         startup_timeout=args.startup_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         collective_timeout=args.collective_timeout,
     )
-    envs = {i: build_worker_env(os.environ, cluster_spec=cluster_spec, task_id=i, **options) for i in task_ids}
     command = [sys.executable, "-u", *(["-m"] if args.module else []), args.script, *args.script_args]
-    return WorkerGroup(grace_period=args.grace_period).run(command, envs)
+    max_restarts = getattr(args, "max_restarts", 0) or 0
+    for attempt in range(max_restarts + 1):
+        if args.workers is not None:
+            cluster_spec = build_cluster_spec(addresses=parse_worker_addresses(args.workers))
+            task_ids = [args.task_index]
+        else:
+            num_workers = DEFAULT_NUM_WORKERS if args.num_workers is None else args.num_workers
+            cluster_spec = build_cluster_spec(ports=find_free_ports(num_workers))  # Fresh ports per attempt.
+            task_ids = range(num_workers)
+        envs = {}
+        for i in task_ids:
+            envs[i] = build_worker_env(os.environ, cluster_spec=cluster_spec, task_id=i, **options)
+            envs[i][RESTART_COUNT_ENV] = str(attempt)
+        group = WorkerGroup(grace_period=args.grace_period)
+        status = group.run(command, envs)
+        if status == 0 or group.received_signal is not None or attempt == max_restarts:
+            return status
+        print(
+            f"keras-dist launch: restarting all workers (restart {attempt + 1} of {max_restarts}); "
+            "a BackupAndRestore in fit resumes from its last backup.",
+            file=sys.stderr,
+            flush=True,
+        )
+    return status
 
 
 def _check_positive_int(name, value, *, fix):
@@ -367,6 +390,12 @@ def _validate_args(args):
         if getattr(args, name) is not None:
             _check_seconds("--" + name.replace("_", "-"), getattr(args, name))
     _check_seconds("--grace-period", args.grace_period, allow_zero=True)
+    max_restarts = getattr(args, "max_restarts", 0)
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(
+            f"`--max-restarts` must be an integer >= 0. Received: --max-restarts={max_restarts}. "
+            "Fix: pass 0 (no restart) or the number of restarts to allow."
+        )
     if not args.module and not os.path.isfile(args.script):
         raise ValueError(
             f"The script to launch must be an existing file. Received: SCRIPT={args.script!r} "
