@@ -89,10 +89,18 @@ def rehome(variable, strategy):
     if not _needs_rehome(variable, strategy):
         return False
     value = _current_value(variable._value)
-    with strategy.scope():
-        variable._initialize(value)
-        if variable.synchronization == "on_read" and variable.aggregation == "sum":
-            variable._value.assign(value)
+    # The new tf.Variable keeps the old one's `trainable` flag, not the Keras variable's: a frozen
+    # layer's kernel is still a trainable tf.Variable, so that GradientTape watches it once the
+    # layer is unfrozen (Keras only flips its own flag).
+    keras_trainable = variable._trainable
+    variable._trainable = getattr(variable._value, "trainable", keras_trainable)
+    try:
+        with strategy.scope():
+            variable._initialize(value)
+            if variable.synchronization == "on_read" and variable.aggregation == "sum":
+                variable._value.assign(value)
+    finally:
+        variable._trainable = keras_trainable
     return True
 
 

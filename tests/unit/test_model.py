@@ -268,3 +268,31 @@ def test_subclass_whose_metrics_property_reads_attributes_set_after_init(mirrore
     x = np.ones((8, 2), "float32")
     model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
     assert any(v is model.loss_tracker.variables[0] for v in model.metrics_variables)
+
+
+@pytest.mark.parametrize("wrap_frozen", [False, True], ids=["freeze_after_wrapping", "frozen_before_distribute"])
+def test_freeze_fit_unfreeze_fit_matches_single_device(mirrored_1x2_cpu, wrap_frozen):
+    """Fine-tuning: a frozen layer's variables are re-created for the strategy; unfrozen, they must train again."""
+    x = np.random.RandomState(0).rand(32, 4).astype("float32")
+    y = x.sum(1, keepdims=True)
+
+    def run(distributed):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        base = keras.layers.Dense(3, activation="tanh", name="base")
+        model = keras.Model(inputs, keras.layers.Dense(1, name="head")(base(inputs)))
+        base.trainable = False
+        if distributed:
+            model = keras_dist.distribute(model, strategy=mirrored_1x2_cpu) if wrap_frozen else keras_dist.distribute(
+                keras.Model(inputs, model.outputs), strategy=mirrored_1x2_cpu
+            )
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        base.trainable = True
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    reference, model = run(False), run(True)
+    assert np.abs(model.get_layer("base").kernel.numpy() - reference.get_layer("base").kernel.numpy()).max() < 1e-5
+    assert max_weight_difference(reference, model) < 1e-5
