@@ -113,7 +113,12 @@ def accumulate_then_apply(
             apply(summed_gradients, variables)
 
         def accumulate():
+            # What Keras' `apply` does on a micro-batch that only accumulates, besides accumulating:
+            # the EMA step, the variables' constraints, the iteration count.
             _moving_average_step(optimizer)
+            for i in present:
+                if variables[i].constraint is not None:
+                    variables[i].assign(variables[i].constraint(variables[i]))
             optimizer._iterations.assign_add(1)
 
         tf.cond(tf.equal((optimizer._iterations + 1) % steps, 0), update, accumulate)

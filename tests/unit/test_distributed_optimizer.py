@@ -194,3 +194,26 @@ def test_mixed_float16_matches_single_device_while_no_step_overflows(mirrored_1x
         m.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=4, shuffle=False, verbose=0)
     assert max_weight_difference(reference, model) < 1e-3
     assert float(np.asarray(model.optimizer.dynamic_scale)) == float(np.asarray(reference.optimizer.dynamic_scale)) == 64.0
+
+
+@pytest.mark.parametrize("constraint", ["non_neg", "max_norm"])
+def test_accumulation_applies_constraints_on_every_micro_batch(multi_replica_strategy, constraint):
+    """Keras constrains the variables at every `apply`, also on micro-batches that only accumulate."""
+
+    def run(model_class, **kwargs):
+        inputs = keras.Input((4,))
+        constraint_object = keras.constraints.NonNeg() if constraint == "non_neg" else keras.constraints.MaxNorm(0.5)
+        hidden = keras.layers.Dense(
+            3, activation="tanh", kernel_constraint=constraint_object,
+            kernel_initializer=keras.initializers.RandomNormal(seed=1),  # Violates both constraints at first.
+        )(inputs)
+        output = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(hidden)
+        model = model_class(inputs, output, **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
+        x, y = _data(48)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    reference = run(keras.Model)
+    model = run(keras_dist.DistributedModel, strategy=multi_replica_strategy)
+    assert max_weight_difference(reference, model) < 1e-5
