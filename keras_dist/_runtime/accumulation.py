@@ -26,21 +26,26 @@ class ReplicaGradientSums:
         strategy: The `tf.distribute.Strategy` the model trains under.
         variables: The model's trainable variables (Keras variables), in the
             order the optimizer receives their gradients.
+        previous: The `ReplicaGradientSums` these replace, if any: sums of
+            variables in both are kept, with their values.
     """
 
-    def __init__(self, strategy, variables):
+    def __init__(self, strategy, variables, previous=None):
         self.variable_ids = tuple(id(v) for v in variables)
+        kept = dict(zip(previous.variable_ids, previous.sums)) if previous is not None else {}
         with strategy.scope():
-            self.sums = [
-                tf.Variable(
-                    tf.zeros(v.shape, dtype=v.dtype),
-                    trainable=False,
-                    synchronization=tf.VariableSynchronization.ON_READ,
-                    aggregation=tf.VariableAggregation.SUM,
-                    name="keras_dist_replica_gradient_sum",
-                )
-                for v in variables
-            ]
+            # A variable still trained keeps its running sum (a recompile mid-cycle loses nothing).
+            self.sums = [kept.get(id(v)) or self._new_sum(v) for v in variables]
+
+    @staticmethod
+    def _new_sum(variable):
+        return tf.Variable(
+            tf.zeros(variable.shape, dtype=variable.dtype),
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+            name="keras_dist_replica_gradient_sum",
+        )
 
     def matches(self, variables):
         """True when these sums were made for exactly `variables`, in this order."""

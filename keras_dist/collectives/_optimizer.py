@@ -90,7 +90,7 @@ def prepare_gradient_accumulation(optimizer, strategy, variables):
         return
     sums = optimizer.__dict__.get(_SUMS)
     if sums is None or not sums.matches(variables):
-        optimizer.__dict__[_SUMS] = accumulation.ReplicaGradientSums(strategy, variables)
+        optimizer.__dict__[_SUMS] = accumulation.ReplicaGradientSums(strategy, variables, previous=sums)
 
 
 def _apply_summed(optimizer, grads, trainable_variables=None):
