@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
 from keras.src.utils.rng_utils import get_random_seed
@@ -161,6 +162,11 @@ def apply_once_in_cross_replica_context(optimizer, gradients, variables, keras_a
     def apply(strategy, summed):
         first = [None if g is None else strategy.experimental_local_results(g)[0] for g in summed]
         with _without_merge_call(strategy):
-            keras_apply(optimizer, first, variables)
+            if isinstance(optimizer, LossScaleOptimizer):
+                # Its `apply` refuses cross-replica context; its backend-neutral body does not need one:
+                # the summed gradients' overflow check, then the inner optimizer's `apply`.
+                optimizer._common_apply(first, variables)
+            else:
+                keras_apply(optimizer, first, variables)
 
     context.merge_call(apply, args=(gradients,))

@@ -238,3 +238,23 @@ def test_recompiling_mid_cycle_keeps_the_pending_sums(mirrored_1x2_cpu):
     reference = run(keras.Model)
     model = run(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
     assert max_weight_difference(reference, model) < 1e-5
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_loss_scale_optimizer_around_an_accumulating_optimizer_matches_single_device(mirrored_1x2_cpu, policy):
+    def run(model_class, **kwargs):
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(
+            3, activation="tanh", dtype=policy, kernel_initializer=keras.initializers.GlorotUniform(seed=1)
+        )(inputs)
+        output = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(hidden)
+        model = model_class(inputs, output, **kwargs)
+        inner = keras.optimizers.Adam(0.05, gradient_accumulation_steps=2)
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**6), loss="mse")
+        x, y = _data(40)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    reference = run(keras.Model)
+    model = run(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
+    assert max_weight_difference(reference, model) < (1e-5 if policy == "float32" else 1e-3)
