@@ -47,3 +47,39 @@ def test_per_output_loss_logs_on_uneven_batches(mirrored_1x2_cpu):
     expected = reference.evaluate(x, y, batch_size=6, verbose=0, return_dict=True)
     got = model.evaluate(x, y, batch_size=6, verbose=0, return_dict=True)
     assert got["a_loss"] == pytest.approx(expected["a_loss"], rel=1e-5)
+
+
+class _GuideTrainStep:
+    """The Keras guide's custom train_step: `self.compute_loss`, then `self.optimizer.apply`."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.xfail(strict=True, reason="a user-written train_step is not weighted by each replica's example count")
+def test_user_train_step_on_uneven_replica_batches(mirrored_1x3_cpu):
+    """Batch 8 on 3 replicas splits 3/3/2: the built-in train_step weights by examples, a user's does not."""
+
+    class Guide(_GuideTrainStep, keras.Model):
+        pass
+
+    class DistributedGuide(_GuideTrainStep, keras_dist.DistributedModel):
+        pass
+
+    def build(cls, kwargs):
+        inputs = keras.Input((3,))
+        model = (Guide if cls is keras.Model else DistributedGuide)(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    x = np.random.RandomState(0).rand(32, 3).astype("float32")
+    reference, model = _pair(mirrored_1x3_cpu, build)
+    for m in (reference, model):
+        m.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-5
