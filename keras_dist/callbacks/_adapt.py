@@ -102,7 +102,7 @@ class AgreeOnStop(keras.callbacks.Callback):
         self._steps_this_epoch = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self._steps_this_epoch += 1
+        self._steps_this_epoch = batch + 1  # Keras passes the last step's index (steps_per_execution).
         if self.every_batch:
             self._agree()
 
