@@ -24,6 +24,13 @@ class ThroughputMonitor(keras.callbacks.Callback):
       one step, in seconds (each step waits for its results, so the times
       are real, not dispatch times).
 
+    - With `flops_per_example`: `model_flops_per_second` (training FLOPs of
+      the model per example x examples per second), and, when the peak of
+      the accelerators is known (`peak_flops_per_second`, or a GPU listed in
+      `PEAK_FLOPS` found by name), `model_flops_utilization`: that rate over
+      the peak of all replicas (model FLOPs utilization, as defined by
+      Chowdhery et al., 2022, "PaLM", appendix B).
+
     The global batch size comes from `model.input_plan` (`DistributedModel`),
     else from `fit`'s `batch_size`; a partial last batch is counted as full.
     The first `skip_steps` steps of the first epoch (tracing, warm-up) are
@@ -32,17 +39,31 @@ class ThroughputMonitor(keras.callbacks.Callback):
     Args:
         skip_steps: Integer >= 0, steps left out at the start of training
             (default 1: the step that traces the function).
+        flops_per_example: Float, floating-point operations of one training
+            step per example (forward and backward; about 6 x parameters for
+            dense models, PaLM's rule), or `None`.
+        peak_flops_per_second: Float, peak FLOP/s of one replica's device in
+            the dtype you train in, or `None` to look the GPU up in
+            `PEAK_FLOPS` (no figure on CPUs).
 
     Distributed behavior:
         Runs on every worker; every worker measures its own steps, which
         are synchronous, so the figures agree to timing noise.
     """
 
-    def __init__(self, skip_steps=1):
+    # Dense bf16/fp16 tensor-core peaks from the vendors' datasheets, FLOP/s per GPU.
+    PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}
+
+    def __init__(self, skip_steps=1, *, flops_per_example=None, peak_flops_per_second=None):
         super().__init__()
         if not isinstance(skip_steps, int) or skip_steps < 0:
             raise ValueError(f"`skip_steps` must be an integer >= 0. Received: {skip_steps!r}.")
+        for name, value in (("flops_per_example", flops_per_example), ("peak_flops_per_second", peak_flops_per_second)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"`{name}` must be a number > 0 or None. Received: {value!r}.")
         self.skip_steps = skip_steps
+        self.flops_per_example = flops_per_example
+        self.peak_flops_per_second = peak_flops_per_second
         self._seen = 0
         self._step_times = []
         self._start = None
@@ -70,12 +91,29 @@ class ThroughputMonitor(keras.callbacks.Callback):
         logs["examples_per_second_per_replica"] = logs["examples_per_second"] / replicas
         logs["step_seconds_p50"] = float(np.percentile(times, 50))
         logs["step_seconds_p90"] = float(np.percentile(times, 90))
+        if self.flops_per_example:
+            logs["model_flops_per_second"] = self.flops_per_example * logs["examples_per_second"]
+            peak = self.peak_flops_per_second or _gpu_peak_flops(self.PEAK_FLOPS)
+            if peak:
+                logs["model_flops_utilization"] = logs["model_flops_per_second"] / (peak * replicas)
 
     def _global_batch_size(self):
         plan = getattr(self.model, "input_plan", None)
         if getattr(plan, "usage", None) == "fit" and getattr(plan, "global_batch_size", None):
             return plan.global_batch_size
         return (self.params or {}).get("batch_size") or 0
+
+
+def _gpu_peak_flops(table):
+    """Returns the table's peak for the first GPU whose name contains a listed model, else `None`."""
+    import tensorflow as tf
+
+    for gpu in tf.config.list_physical_devices("GPU"):
+        name = tf.config.experimental.get_device_details(gpu).get("device_name", "")
+        for model, peak in table.items():
+            if model in name:
+                return peak
+    return None
 
 
 def _wait_for(logs):

@@ -110,3 +110,16 @@ def test_retracing_monitor_is_quiet_on_static_shapes(mirrored_1x2_cpu, recwarn):
     model = _sequence_model(mirrored_1x2_cpu)
     model.fit(np.zeros((16, 5), "int32"), np.zeros((16, 1)), batch_size=8, epochs=3, verbose=0, callbacks=[RetracingMonitor()])
     assert not [w for w in recwarn if issubclass(w.category, errors.KerasDistWarning)]
+
+
+def test_throughput_monitor_model_flops_utilization(mirrored_1x2_cpu):
+    """MFU = flops_per_example x examples/s / (peak x replicas) (PaLM, appendix B); no peak on CPU, no MFU."""
+    model = _model(mirrored_1x2_cpu)
+    monitor = ThroughputMonitor(flops_per_example=6 * 4, peak_flops_per_second=1e9)
+    logs = model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[monitor]).history
+    np.testing.assert_allclose(logs["model_flops_per_second"], np.array(logs["examples_per_second"]) * 24)
+    np.testing.assert_allclose(logs["model_flops_utilization"], np.array(logs["model_flops_per_second"]) / 2e9)
+    without_peak = model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[ThroughputMonitor(flops_per_example=24)])
+    assert "model_flops_per_second" in without_peak.history and "model_flops_utilization" not in without_peak.history
+    with pytest.raises(ValueError, match="`flops_per_example` must be a number > 0"):
+        ThroughputMonitor(flops_per_example=0)
