@@ -86,7 +86,8 @@ class AgreeOnStop(keras.callbacks.Callback):
     Args:
         agreement: The model's `WorkerAgreement`.
         every_batch: Also agree after every training batch (one small
-            all-reduce per batch under several workers).
+            all-reduce per batch under several workers) when this worker, or
+            any other (agreed at `on_train_begin`), asks for it.
         backups: The `BackupAndRestore` callbacks made resumable.
     """
 
@@ -97,6 +98,11 @@ class AgreeOnStop(keras.callbacks.Callback):
         self.backups = list(backups)
         self.preempted = False
         self._steps_this_epoch = 0
+
+    def on_train_begin(self, logs=None):
+        # Workers may hold different callbacks (e.g. one added only `if keras_dist.task_id() == 1`);
+        # the per-batch all-reduce must run on all of them or none.
+        self.every_batch = self.agreement.any(self.every_batch)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._steps_this_epoch = 0

@@ -2,7 +2,7 @@
 
 Usage: callbacks_worker.py OUT_DIR SCENARIO
   standard   every standard Keras callback at once, writing under OUT_DIR/run
-  stop_one   a user callback sets stop_training on worker 1 only, at batch 3 of epoch 1
+  stop_one   a user callback, passed on worker 1 only, sets stop_training there at batch 3 of epoch 1
 Writes OUT_DIR/<task_type>-<task_id>.json with what this worker saw.
 """
 
@@ -61,7 +61,7 @@ def main(out_dir, scenario):
             keras.callbacks.TerminateOnNaN(),
         ]
     else:
-        callbacks = [StopOnOneWorker()]
+        callbacks = [StopOnOneWorker()] if keras_dist.task_id() == 1 else []  # Worker 0 has no batch-hook callback.
     history = model.fit(x, y, batch_size=16, epochs=4, callbacks=callbacks, verbose=0)
     if scenario == "standard":
         model.save(os.path.join(run, "final.keras"))  # shared/cases 25: every worker calls save on one path.
