@@ -175,8 +175,14 @@ def make_resumable(backup, agreement, resumed_steps):
     def save_model():  # Keras calls this at epoch ends (save_freq="epoch") and every `save_freq` batches.
         save(0 if state["at_epoch_end"] else backup._last_batch_seen + 1)
 
-    keras_epoch_begin, keras_epoch_end, keras_train_end = backup.on_epoch_begin, backup.on_epoch_end, backup.on_train_end
-    keras_batch_end = backup.on_train_batch_end
+    # Keras' own methods, kept from the first time: the same callback passed to another `fit` is
+    # wrapped again around them, not around the previous wrappers.
+    keras_methods = backup.__dict__.setdefault(
+        "_keras_dist_keras_methods",
+        {name: getattr(backup, name) for name in ("on_epoch_begin", "on_train_batch_end", "on_epoch_end", "on_train_end")},
+    )
+    keras_epoch_begin, keras_batch_end = keras_methods["on_epoch_begin"], keras_methods["on_train_batch_end"]
+    keras_epoch_end, keras_train_end = keras_methods["on_epoch_end"], keras_methods["on_train_end"]
 
     def on_epoch_begin(epoch, logs=None):
         state["epoch"], state["batches"] = epoch, 0

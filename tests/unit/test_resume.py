@@ -97,3 +97,13 @@ def test_sigterm_saves_once_at_that_step_and_exits_with_the_restart_status(tmp_p
     resumed = _model(mirrored_1x2_cpu)
     _fit(resumed, [keras.callbacks.BackupAndRestore(backup_dir)])
     _assert_same_run(resumed, uninterrupted)
+
+
+def test_the_same_backup_callback_in_two_fits_wraps_keras_methods_once(tmp_path, mirrored_1x2_cpu):
+    """Wrapping the previous fit's wrappers would run the end-of-training barrier twice on the chief only."""
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False)
+    model = _model(mirrored_1x2_cpu)
+    for _ in range(2):
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[backup])
+    kept = backup.__dict__["_keras_dist_keras_methods"]
+    assert all(kept[name].__func__ is getattr(keras.callbacks.BackupAndRestore, name) for name in kept)
