@@ -10,6 +10,10 @@ from keras_dist._runtime import variables
 from keras_dist.strategy import _plan
 
 
+WRITE_TIMEOUT_ENV = "KERAS_DIST_WRITE_TIMEOUT"
+DEFAULT_WRITE_TIMEOUT_SECONDS = 120.0
+
+
 class WorkerAgreement:
     """Collectives run between steps, from Python, on every worker of `strategy`.
 
@@ -32,31 +36,40 @@ class WorkerAgreement:
         """Returns True on every worker when `flag` (bool) is True on at least one."""
         return self.any_of([flag])[0]
 
-    def any_of(self, flags):
-        """Returns, for each of `flags` (list of bools), whether it is True on at least one worker (one all-reduce)."""
+    def any_of(self, flags, timeout_seconds=None):
+        """Returns, for each of `flags` (list of bools), whether it is True on at least one worker (one all-reduce).
+
+        Raises:
+            tf.errors.DeadlineExceededError: `timeout_seconds` passed before
+                every worker joined.
+        """
         if not self.multi_worker:
             return [bool(flag) for flag in flags]
-        return [value > 0 for value in self._summed([1.0 if flag else 0.0 for flag in flags])]
+        return [value > 0 for value in self._summed([1.0 if flag else 0.0 for flag in flags], timeout_seconds)]
 
     def barrier(self):
         """Returns once every worker has called it."""
         if self.multi_worker:
             self._summed([0.0])
 
-    def _summed(self, values):
+    def _summed(self, values, timeout_seconds=None):
         if self._sum is None:
+            self._sum = {}
+        if timeout_seconds not in self._sum:
             strategy = self.strategy
+            options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
 
             @tf.function
             def summed(value):
                 def replica_fn(value):
                     value = tf.identity(value)  # On this replica's device: the all-reduce needs one.
-                    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+                    context = tf.distribute.get_replica_context()
+                    return context.all_reduce(tf.distribute.ReduceOp.SUM, value, options=options)
 
                 return strategy.experimental_local_results(strategy.run(replica_fn, args=(value,)))[0]
 
-            self._sum = summed
-        return [float(v) for v in self._sum(tf.constant(values, tf.float32)).numpy()]
+            self._sum[timeout_seconds] = summed
+        return [float(v) for v in self._sum[timeout_seconds](tf.constant(values, tf.float32)).numpy()]
 
     def chief_writes(self, write, filepath):
         """Runs `write(path)` on the chief only, atomically, and returns when every worker knows it is done.
@@ -76,7 +89,10 @@ class WorkerAgreement:
 
         Raises:
             RuntimeError: On a non-chief worker, when the chief's write failed
-                (the chief raises the original error).
+                (the chief raises the original error); on the chief, when the
+                other workers did not join within `KERAS_DIST_WRITE_TIMEOUT`
+                seconds (default 120) after the write: they did not call
+                `save` (e.g. a save guarded by `if keras_dist.is_chief():`).
         """
         if self.multi_worker and not _plan.is_chief(self.strategy):
             if self.any(False):
@@ -86,14 +102,30 @@ class WorkerAgreement:
                     "wait for it. Fix: the cause on the chief (often a missing or read-only directory)."
                 )
             return None
+        timeout = float(os.environ.get(WRITE_TIMEOUT_ENV, "") or DEFAULT_WRITE_TIMEOUT_SECONDS)
         try:
             with atomic_path(filepath) as temporary:
                 result = write(temporary)
         except BaseException:
-            self.any(True)
+            self._tell_the_others(True, timeout, filepath)
             raise
-        self.any(False)
+        self._tell_the_others(False, timeout, filepath)
         return result
+
+    def _tell_the_others(self, failed, timeout, filepath):
+        """On the chief: all-reduces whether its write failed; the others are already waiting in it."""
+        if not self.multi_worker:
+            return
+        try:
+            self.any_of([failed], timeout_seconds=timeout)
+        except tf.errors.DeadlineExceededError as e:
+            raise RuntimeError(
+                f"The chief wrote {os.fspath(filepath)!r}, but the other workers did not join it within "
+                f"{timeout:g} s. Expected: every worker calls `save` / `save_weights` (keras-dist writes on "
+                "the chief only and makes the others wait for it). Received: no call from the other workers, "
+                "e.g. a save guarded by `if keras_dist.is_chief():`. Fix: call `model.save(...)` on every "
+                f"worker. ({WRITE_TIMEOUT_ENV} sets this wait, in seconds.)"
+            ) from e
 
 
 @contextlib.contextmanager

@@ -57,3 +57,32 @@ def test_a_stop_on_one_worker_stops_both_at_the_same_batch(tmp_path):
     assert first["iterations"] == second["iterations"] == 8 + 3
     assert first["epochs"] == second["epochs"] == 2
     assert first["weights"] == second["weights"]
+
+
+GUARDED_SAVE_SCRIPT = """
+import sys, time
+import keras_dist
+import keras, numpy as np
+
+x = np.random.RandomState(0).rand(32, 4).astype("float32")
+inputs = keras.Input((4,))
+model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs))
+model.compile(optimizer="sgd", loss="mse")
+model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+if keras_dist.is_chief():
+    model.save(sys.argv[1] + "/guarded.keras")  # The other worker never calls save.
+else:
+    time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_save_guarded_by_is_chief_fails_with_the_fix_instead_of_hanging(tmp_path):
+    script = tmp_path / "guarded.py"
+    script.write_text(GUARDED_SAVE_SCRIPT)
+    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", "--grace-period", "2", str(script), str(tmp_path)]
+    result = subprocess.run(command, env={**ENV, "KERAS_DIST_WRITE_TIMEOUT": "5"}, capture_output=True, text=True, timeout=110)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "the other workers did not join it within 5 s" in result.stdout
+    assert "Fix: call `model.save(...)` on every worker" in result.stdout
+    assert keras.models.load_model(tmp_path / "guarded.keras") is not None  # The chief's file is complete.
