@@ -11,11 +11,14 @@ import json
 import os
 import signal
 import sys
+import time
 
 import keras_dist  # Joins the cluster before TensorFlow runs anything.
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
+from keras_dist.callbacks import _resume  # noqa: E402
 
 
 class AtStep(keras.callbacks.Callback):
@@ -43,6 +46,9 @@ def main(out_dir, scenario):
         def preempt():
             open(marker, "w").close()
             os.kill(os.getppid(), signal.SIGTERM)  # The launcher forwards it to every worker, as a scheduler would.
+            deadline = time.monotonic() + 60
+            while not _resume.PREEMPTION.requested and time.monotonic() < deadline:
+                time.sleep(0.05)  # Until the forwarded SIGTERM reached this worker: the agreement is then at step 17.
         callbacks.append(AtStep(17, preempt))
     model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
     info = keras_dist.cluster_info()
