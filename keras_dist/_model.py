@@ -305,8 +305,10 @@ class DistributedModel(keras.Model):
         returns once the file is complete.
 
         Raises:
-            RuntimeError: On a non-chief worker, when the chief failed to write.
-            Whatever `keras.Model.save` raises (on the chief).
+            RuntimeError: On a non-chief worker, when the chief failed to
+                write; on the chief, when the other workers did not call
+                `save` within `KERAS_DIST_WRITE_TIMEOUT` seconds. On the
+                chief, whatever `keras.Model.save` raises.
 
         Distributed behavior:
             Collective under several workers: every worker must call it
