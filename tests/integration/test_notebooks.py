@@ -33,9 +33,17 @@ def _run(name, tmp_path, timeout):
 
 
 @pytest.mark.timeout(300)
-def test_mnist_tfds_notebook_runs(tmp_path):
-    output = _run("mnist_tfds", tmp_path, timeout=240)
-    assert "test accuracy:" in output
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("mnist_tfds", ["test accuracy:", "global batch size:   128 examples"]),
+        ("cifar10_mixed_precision", ["LossScaleOptimizer", "examples_per_second:", "test accuracy:"]),
+    ],
+)
+def test_notebook_runs(tmp_path, name, expected):
+    output = _run(name, tmp_path, timeout=240)
+    for text in expected:
+        assert text in output, output[-3000:]
 
 
 @pytest.mark.multi_worker
