@@ -15,3 +15,13 @@ def test_docs_site_builds_strictly(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "api" / "index.html").read_text().count("DistributedModel") > 10
+
+
+def test_figures_are_drawn_from_the_committed_benchmark_results(tmp_path):
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "all_reduce_busbw.png").stat().st_size > 10_000
+    assert os.path.exists(os.path.join(ROOT, "docs", "images", "all_reduce_busbw.png"))  # The one the docs show.
