@@ -23,6 +23,7 @@ from keras_dist.callbacks import _coordination as callbacks_coordination
 from keras_dist.callbacks import _resume as callbacks_resume
 from keras_dist.collectives import _all_reduce as collectives_all_reduce
 from keras_dist.collectives import _optimizer as collectives_optimizer
+from keras_dist.data import _distribute as data_distribute
 from keras_dist.data import _inputs as data_inputs
 from keras_dist.data import _sharding as data_sharding
 from keras_dist.strategy import _cluster, _peer_errors, _plan, _resolve
@@ -274,7 +275,10 @@ class DistributedModel(keras.Model):
         """
         arguments = data_inputs.bind_inputs(self, keras.Model.fit, args, kwargs, ("x", "validation_data"))
         backups = callbacks_resume.backups_in(arguments.get("callbacks"))
-        resumed_steps = callbacks_resume.steps_done_in_epoch(backups[0]) if backups else 0
+        resumed_steps = 0
+        if backups and not data_distribute.is_distributed(arguments.get("x")):
+            # A DatasetCreator's input is built per worker by the user: it resumes at the epoch.
+            resumed_steps = callbacks_resume.steps_done_in_epoch(backups[0])
         arguments["callbacks"] = callbacks_adapt.adapt_callbacks(
             arguments.get("callbacks"), self, self._agreement(), resumed_steps=resumed_steps
         )
