@@ -73,7 +73,7 @@ def _may_stop_alone(callback):
 class AgreeOnStop(keras.callbacks.Callback):
     """Stops every worker when a callback on any worker set `model.stop_training`, or on SIGTERM.
 
-    Runs last on every worker: at each epoch end (and each batch end when a
+    Runs last on every worker: at train begin, at each epoch begin and end (and each batch end when a
     callback that may decide alone is present: one that is not a standard
     Keras callback reading reduced logs and overrides a batch hook; or when
     a `BackupAndRestore` makes the run resumable) the workers all-reduce
@@ -101,11 +101,15 @@ class AgreeOnStop(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # Workers may hold different callbacks (e.g. one added only `if keras_dist.task_id() == 1`);
-        # the per-batch all-reduce must run on all of them or none.
-        self.every_batch = self.agreement.any(self.every_batch)
+        # the per-batch all-reduce must run on all of them or none. A stop set by a callback's
+        # on_train_begin is agreed in the same all-reduce.
+        self.every_batch, stop = self.agreement.any_of([self.every_batch, bool(self.model.stop_training)])
+        self.model.stop_training = stop
 
     def on_epoch_begin(self, epoch, logs=None):
         self._steps_this_epoch = 0
+        # Keras acts on a stop set in on_epoch_begin after the epoch's first batch: agree on it now.
+        self.model.stop_training = self.agreement.any(bool(self.model.stop_training))
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps_this_epoch = batch + 1  # Keras passes the last step's index (steps_per_execution).

@@ -157,10 +157,12 @@ class RetracingMonitor(keras.callbacks.Callback):
         self._warned = set()
 
     def tracing_count(self, name):
-        """Returns how many times `model.<name>` was traced (0 when it is not a `tf.function` yet)."""
-        function = getattr(self.model, name, None)
-        count = getattr(function, "experimental_get_tracing_count", None)
-        return count() if count is not None else 0
+        """Returns how many times the `tf.function`s behind `model.<name>` were traced (0 before it exists).
+
+        Keras 3 wraps its `tf.function`s in plain Python closures (the train
+        and test functions); the `tf.function`s are found in the closure.
+        """
+        return sum(f.experimental_get_tracing_count() for f in _tf_functions_in(getattr(self.model, name, None)))
 
     def on_epoch_begin(self, epoch, logs=None):
         self._at_epoch_begin = {name: self.tracing_count(name) for name in self.FUNCTIONS}
@@ -177,11 +179,13 @@ class RetracingMonitor(keras.callbacks.Callback):
                 warnings.warn(self._message(name, epoch, new), errors.KerasDistWarning, stacklevel=2)
 
     def _message(self, name, epoch, new):
-        function = getattr(self.model, name)
-        try:
-            signatures = function.pretty_printed_concrete_signatures()
-        except Exception:  # noqa: BLE001 (a description only)
-            signatures = "(not available)"
+        signatures = []
+        for function in _tf_functions_in(getattr(self.model, name)):
+            try:
+                signatures.append(function.pretty_printed_concrete_signatures())
+            except Exception:  # noqa: BLE001 (a description only)
+                pass
+        signatures = "\n".join(signatures) or "(not available)"
         return (
             f"model.{name} was traced {new} times in epoch {epoch} (expected: at most "
             f"{self.max_traces_per_epoch} after the first epoch). Each trace rebuilds the step for every "
@@ -191,3 +195,24 @@ class RetracingMonitor(keras.callbacks.Callback):
             "length), use `drop_remainder=True` for the partial last batch, and pass tensors, not Python "
             "numbers, as inputs. See docs/callbacks.md#retracing."
         )
+
+
+def _tf_functions_in(function, depth=3):
+    """Returns the `tf.function`s `function` is or closes over (a few levels deep), each once."""
+    found, seen, pending = [], set(), [(function, 0)]
+    while pending:
+        candidate, level = pending.pop()
+        if candidate is None or id(candidate) in seen:
+            continue
+        seen.add(id(candidate))
+        if hasattr(candidate, "experimental_get_tracing_count"):
+            found.append(candidate)
+            continue
+        if level < depth:
+            for cell in getattr(candidate, "__closure__", None) or ():
+                try:
+                    pending.append((cell.cell_contents, level + 1))
+                except ValueError:  # An empty cell.
+                    pass
+            pending.append((getattr(candidate, "__wrapped__", None), level + 1))
+    return found

@@ -20,8 +20,9 @@ class LearningRateWarmup(keras.callbacks.Callback):
         warmup_epochs: Number (int or float) of epochs to warm up over. Needs
             a known number of steps per epoch (`fit` with arrays, a dataset
             of known size, or `steps_per_epoch`).
-        warmup_steps: Integer number of optimizer steps to warm up over,
-            instead of `warmup_epochs`.
+        warmup_steps: Integer number of training steps (batches; micro-batches
+            under gradient accumulation) to warm up over, instead of
+            `warmup_epochs`.
         base_batch_size: Integer, the batch size (examples) the compiled
             learning rate was tuned for. The target rate is
             `compiled_rate * global_batch_size / base_batch_size`. Default:
@@ -96,7 +97,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
         # taken (step - 1), from which the compiled rate is recovered.
         step = _optimizer_step(self.model)
         current = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-        if step > self._total_steps:
+        if step >= self._total_steps:
             self.start_learning_rate = None  # Warm-up already done: the rate is left alone.
             return
         fraction = max(0, step - 1) / self._total_steps
@@ -138,8 +139,14 @@ class LearningRateWarmup(keras.callbacks.Callback):
         if self.start_learning_rate is None:
             return
         step = _optimizer_step(self.model)
-        if step <= self._total_steps:
+        if step < self._total_steps:
             self.model.optimizer.learning_rate = self.learning_rate_at(step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        # The warm-up ends on the target rate, set once, right after its last step: a scheduler
+        # placed after this callback (on_epoch_begin) takes over from there.
+        if self.start_learning_rate is not None and _optimizer_step(self.model) == self._total_steps:
+            self.model.optimizer.learning_rate = self.target
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
@@ -147,7 +154,11 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
 
 def _optimizer_step(model):
-    return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+    """Training steps taken: the optimizer's raw counter (micro-batches under gradient accumulation)."""
+    from keras_dist._runtime import keras_internals
+
+    innermost = keras_internals.optimizer_chain(model.optimizer)[-1]
+    return int(keras.ops.convert_to_numpy(innermost._iterations))
 
 
 def _is_chief(model):

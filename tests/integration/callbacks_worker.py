@@ -3,6 +3,7 @@
 Usage: callbacks_worker.py OUT_DIR SCENARIO
   standard   every standard Keras callback at once, writing under OUT_DIR/run
   stop_one   a user callback, passed on worker 1 only, sets stop_training there at batch 3 of epoch 1
+  stop_at_epoch_begin   the same, set in on_epoch_begin of epoch 1 (Keras stops after that epoch's first batch)
 Writes OUT_DIR/<task_type>-<task_id>.json with what this worker saw.
 """
 
@@ -34,6 +35,12 @@ spy(keras.callbacks.CSVLogger, "on_epoch_end", "csv_epoch_end")
 spy(keras.callbacks.TensorBoard, "on_epoch_end", "tensorboard_epoch_end")
 
 
+class StopAtEpochBegin(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            self.model.stop_training = True
+
+
 class StopOnOneWorker(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if keras_dist.task_id() == 1 and self.model.optimizer.iterations.numpy() == 8 + 3:
@@ -60,8 +67,10 @@ def main(out_dir, scenario):
             keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),
             keras.callbacks.TerminateOnNaN(),
         ]
-    else:
+    elif scenario == "stop_one":
         callbacks = [StopOnOneWorker()] if keras_dist.task_id() == 1 else []  # Worker 0 has no batch-hook callback.
+    else:  # stop_at_epoch_begin
+        callbacks = [StopAtEpochBegin()] if keras_dist.task_id() == 1 else []
     history = model.fit(x, y, batch_size=16, epochs=4, callbacks=callbacks, verbose=0)
     if scenario == "standard":
         model.save(os.path.join(run, "final.keras"))  # shared/cases 25: every worker calls save on one path.

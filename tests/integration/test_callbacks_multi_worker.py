@@ -59,6 +59,13 @@ def test_a_stop_on_one_worker_stops_both_at_the_same_batch(tmp_path):
     assert first["weights"] == second["weights"]
 
 
+@pytest.mark.timeout(180)
+def test_a_stop_set_at_epoch_begin_on_one_worker_stops_both(tmp_path):
+    first, second = _launch(tmp_path, "stop_at_epoch_begin")
+    assert first["iterations"] == second["iterations"] == 8 + 1  # Keras stops after epoch 1's first batch.
+    assert first["weights"] == second["weights"]
+
+
 GUARDED_SAVE_SCRIPT = """
 import sys, time
 import keras_dist

@@ -123,3 +123,37 @@ def test_throughput_monitor_model_flops_utilization(mirrored_1x2_cpu):
     assert "model_flops_per_second" in without_peak.history and "model_flops_utilization" not in without_peak.history
     with pytest.raises(ValueError, match="`flops_per_example` must be a number > 0"):
         ThroughputMonitor(flops_per_example=0)
+
+
+class TrainOnGrowingBatches(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        x = np.zeros((4, 3 + epoch), "int32")
+        self.model.train_on_batch(x, np.zeros((4, 1)))
+
+
+def test_retracing_monitor_counts_the_train_function(mirrored_1x2_cpu):
+    """Keras wraps the train function's tf.functions in a plain closure; the monitor finds them."""
+    model = _sequence_model(mirrored_1x2_cpu)
+    monitor = RetracingMonitor(max_traces_per_epoch=0)
+    with pytest.warns(errors.KerasDistWarning, match="model.train_function was traced"):
+        history = model.fit(
+            np.zeros((16, 5), "int32"), np.zeros((16, 1)), batch_size=8, epochs=3, verbose=0,
+            callbacks=[TrainOnGrowingBatches(), monitor],
+        )
+    assert history.history["train_traces"][0] >= 1  # fit's own first trace
+    assert monitor.traces["train_function"] >= 3
+
+
+def test_warmup_hands_over_to_a_later_scheduler_and_counts_micro_batches(mirrored_1x2_cpu):
+    model, record = _model(mirrored_1x2_cpu), RecordLearningRate()
+    scheduler = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr if epoch == 0 else 0.05)
+    model.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[LearningRateWarmup(warmup_epochs=1), scheduler, record])
+    np.testing.assert_allclose(record.rates[:8], [0.1 + 0.1 * s / 8 for s in range(8)], rtol=1e-6)
+    np.testing.assert_allclose(record.rates[8:], [0.05] * 8, rtol=1e-6)  # The scheduler's rate, not the warm-up's.
+
+    inputs = keras.Input((3,))
+    accumulating = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    accumulating.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
+    record = RecordLearningRate()
+    accumulating.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[LearningRateWarmup(warmup_epochs=1), record])
+    np.testing.assert_allclose(record.rates[8:], [0.2] * 8, rtol=1e-6)  # Warm-up over the first epoch's 8 batches.
