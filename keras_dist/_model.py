@@ -320,14 +320,20 @@ class DistributedModel(keras.Model):
         """
         if _asks_before_overwriting(filepath, args, kwargs):  # Keras' interactive prompt, on the real path.
             return super().save(filepath, *args, **kwargs)
-        return self._agreement().chief_writes(lambda path: super(DistributedModel, self).save(path, *args, **kwargs), filepath)
+        return self._agreement().chief_writes(
+            lambda path: super(DistributedModel, self).save(path, *args, **kwargs),
+            filepath,
+            atomic=kwargs.get("zipped") is not False,  # zipped=False writes a directory: not renamed atomically.
+        )
 
     def save_weights(self, filepath, *args, **kwargs):
         """Saves the weights, as `keras.Model.save_weights`, atomically and on the chief only (see `save`)."""
         if _asks_before_overwriting(filepath, args, kwargs):
             return super().save_weights(filepath, *args, **kwargs)
         return self._agreement().chief_writes(
-            lambda path: super(DistributedModel, self).save_weights(path, *args, **kwargs), filepath
+            lambda path: super(DistributedModel, self).save_weights(path, *args, **kwargs),
+            filepath,
+            extensions=(".weights.h5", ".weights.json"),
         )
 
     def _agreement(self):

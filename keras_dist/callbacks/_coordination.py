@@ -71,7 +71,7 @@ class WorkerAgreement:
             self._sum[timeout_seconds] = summed
         return [float(v) for v in self._sum[timeout_seconds](tf.constant(values, tf.float32)).numpy()]
 
-    def chief_writes(self, write, filepath):
+    def chief_writes(self, write, filepath, atomic=True, extensions=(".keras", ".h5", ".hdf5", ".json")):
         """Runs `write(path)` on the chief only, atomically, and returns when every worker knows it is done.
 
         The chief writes to a temporary name in the same directory (same
@@ -83,6 +83,12 @@ class WorkerAgreement:
             write: Callable taking the path to write to.
             filepath: String or `os.PathLike`, the user's path (local or any
                 `tf.io.gfile` file system).
+            atomic: Boolean. False, or a path that is not one file Keras can
+                write (a directory, an unknown extension, a missing parent
+                directory), writes on the user's path directly, so Keras'
+                own errors name it.
+            extensions: Tuple of the endings Keras accepts for this write;
+                another ending is written directly, for Keras to refuse.
 
         Returns:
             What `write` returned on the chief, `None` elsewhere.
@@ -104,8 +110,11 @@ class WorkerAgreement:
             return None
         timeout = float(os.environ.get(WRITE_TIMEOUT_ENV, "") or DEFAULT_WRITE_TIMEOUT_SECONDS)
         try:
-            with atomic_path(filepath) as temporary:
-                result = write(temporary)
+            if atomic and writes_one_file(filepath, extensions):
+                with atomic_path(filepath) as temporary:
+                    result = write(temporary)
+            else:  # A directory, or a name Keras will refuse: Keras' own write and message, on the user's path.
+                result = write(os.fspath(filepath))
         except BaseException:
             self._tell_the_others(True, timeout, filepath)
             raise
@@ -126,6 +135,17 @@ class WorkerAgreement:
                 "e.g. a save guarded by `if keras_dist.is_chief():`. Fix: call `model.save(...)` on every "
                 f"worker. ({WRITE_TIMEOUT_ENV} sets this wait, in seconds.)"
             ) from e
+
+
+def writes_one_file(filepath, extensions):
+    """True when `filepath` names one file (one of `extensions`, in an existing directory, not a directory)."""
+    filepath = os.fspath(filepath)
+    directory = os.path.dirname(filepath) or "."
+    return (
+        filepath.endswith(tuple(extensions))
+        and tf.io.gfile.isdir(directory)
+        and not tf.io.gfile.isdir(filepath)
+    )
 
 
 @contextlib.contextmanager

@@ -84,3 +84,14 @@ def test_user_callbacks_with_batch_hooks_are_agreed_every_batch():
     assert _adapt._may_stop_alone(Mine())
     assert not _adapt._may_stop_alone(keras.callbacks.TerminateOnNaN())
     assert not _adapt._may_stop_alone(keras.callbacks.Callback())
+
+
+def test_paths_keras_refuses_or_directories_are_written_directly(tmp_path, mirrored_1x2_cpu):
+    """Keras' own errors name the user's path; zipped=False (a directory) is not renamed."""
+    model = _model(mirrored_1x2_cpu)
+    with pytest.raises(ValueError, match=r"Received: filepath=.*/w[.]h5"):
+        model.save_weights(tmp_path / "w.h5")
+    with pytest.raises(FileNotFoundError, match="missing/m.keras"):
+        model.save(tmp_path / "missing" / "m.keras")
+    model.save(tmp_path / "unzipped", zipped=False)
+    assert sorted(os.listdir(tmp_path)) == ["unzipped"]
