@@ -275,18 +275,24 @@ class DistributedModel(keras.Model):
         """
         arguments = data_inputs.bind_inputs(self, keras.Model.fit, args, kwargs, ("x", "validation_data"))
         backups = callbacks_resume.backups_in(arguments.get("callbacks"))
-        resumed_steps = 0
+        resume_point = callbacks_resume.ResumePoint(0)
         if backups and not data_distribute.is_distributed(arguments.get("x")):
             # A DatasetCreator's input is built per worker by the user: it resumes at the epoch.
-            resumed_steps = callbacks_resume.steps_done_in_epoch(backups[0])
+            resume_point = callbacks_resume.ResumePoint(callbacks_resume.steps_done_in_epoch(backups[0]))
         arguments["callbacks"] = callbacks_adapt.adapt_callbacks(
-            arguments.get("callbacks"), self, self._agreement(), resumed_steps=resumed_steps
+            arguments.get("callbacks"), self, self._agreement(), resume_point=resume_point
         )
         agree_on_stop = arguments["callbacks"][-1]
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._naming_lost_workers())
             stack.enter_context(data_inputs.distributing_inputs(self, ["fit", "validation"], arguments))
-            stack.enter_context(callbacks_resume.skipping_resumed_steps(self, resumed_steps))
+            stack.enter_context(
+                callbacks_resume.skipping_resumed_steps(
+                    self,
+                    resume_point,
+                    callbacks_resume.epoch_length_is_known(arguments.get("x"), arguments.get("steps_per_epoch")),
+                )
+            )
             if backups:
                 stack.enter_context(callbacks_resume.catching_sigterm())
             history = super().fit(**self._chief_only_verbosity(arguments))
@@ -318,23 +324,31 @@ class DistributedModel(keras.Model):
             Collective under several workers: every worker must call it
             (callbacks such as `ModelCheckpoint` do).
         """
-        if _asks_before_overwriting(filepath, args, kwargs):  # Keras' interactive prompt, on the real path.
-            return super().save(filepath, *args, **kwargs)
-        return self._agreement().chief_writes(
-            lambda path: super(DistributedModel, self).save(path, *args, **kwargs),
-            filepath,
-            atomic=kwargs.get("zipped") is not False,  # zipped=False writes a directory: not renamed atomically.
-        )
+        with collectives_optimizer.accumulation_saved_with_weights(getattr(self, "optimizer", None), self._distribute_strategy):
+            if _asks_before_overwriting(filepath, args, kwargs):  # Keras' interactive prompt, on the real path.
+                return super().save(filepath, *args, **kwargs)
+            return self._agreement().chief_writes(
+                lambda path: super(DistributedModel, self).save(path, *args, **kwargs),
+                filepath,
+                atomic=kwargs.get("zipped") is not False,  # zipped=False writes a directory: not renamed atomically.
+            )
 
     def save_weights(self, filepath, *args, **kwargs):
         """Saves the weights, as `keras.Model.save_weights`, atomically and on the chief only (see `save`)."""
-        if _asks_before_overwriting(filepath, args, kwargs):
-            return super().save_weights(filepath, *args, **kwargs)
-        return self._agreement().chief_writes(
-            lambda path: super(DistributedModel, self).save_weights(path, *args, **kwargs),
-            filepath,
-            extensions=(".weights.h5", ".weights.json"),
-        )
+        with collectives_optimizer.accumulation_saved_with_weights(getattr(self, "optimizer", None), self._distribute_strategy):
+            if _asks_before_overwriting(filepath, args, kwargs):
+                return super().save_weights(filepath, *args, **kwargs)
+            return self._agreement().chief_writes(
+                lambda path: super(DistributedModel, self).save_weights(path, *args, **kwargs),
+                filepath,
+                extensions=(".weights.h5", ".weights.json"),
+            )
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Loads weights, as `keras.Model.load_weights`; a partial gradient-accumulation cycle saved with them continues."""
+        result = super().load_weights(filepath, *args, **kwargs)
+        collectives_optimizer.accumulation_loaded_with_weights(getattr(self, "optimizer", None), self._distribute_strategy)
+        return result
 
     def _agreement(self):
         agreement = self.__dict__.get("_keras_dist_agreement")

@@ -33,6 +33,7 @@ class ReplicaGradientSums:
     def __init__(self, strategy, variables, previous=None):
         self.variable_ids = tuple(id(v) for v in variables)
         kept = dict(zip(previous.variable_ids, previous.sums)) if previous is not None else {}
+        self.new_ids = {id(v) for v in variables if id(v) not in kept}
         with strategy.scope():
             # A variable still trained keeps its running sum (a recompile mid-cycle loses nothing).
             self.sums = [kept.get(id(v)) or self._new_sum(v) for v in variables]
@@ -46,6 +47,10 @@ class ReplicaGradientSums:
             aggregation=tf.VariableAggregation.SUM,
             name="keras_dist_replica_gradient_sum",
         )
+
+    def keras_accumulators(self, optimizer, variables):
+        """Returns Keras' own accumulator of each variable (the optimizer variables a weights file holds)."""
+        return [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
 
     def matches(self, variables):
         """True when these sums were made for exactly `variables`, in this order."""
@@ -142,3 +147,35 @@ def _moving_average_step(optimizer):
             lambda: optimizer._overwrite_model_variables_with_average_value(optimizer._trainable_variables),
             lambda: None,
         )
+
+
+def copy_sums_to_keras_accumulators(optimizer, variables, sums, strategy):
+    """Writes the running sums, summed over replicas, into Keras' accumulators (so a save keeps them)."""
+    with strategy.scope():
+        for running, keras_accumulator in zip(sums.sums, sums.keras_accumulators(optimizer, variables)):
+            keras_accumulator.assign(running.read_value())  # Cross-replica read of a SUM variable: the total.
+
+
+def take_sums_from_keras_accumulators(optimizer, variables, sums, strategy, only=None):
+    """Moves Keras' accumulators (e.g. just loaded) into the running sums and zeroes them.
+
+    The sums are sync-on-read with SUM aggregation: assigning a total from
+    cross-replica context splits it over the replicas, so their sum is kept.
+    Keras' accumulators must stay zero while the sums are used: its update
+    adds them to the all-reduced sums.
+
+    Args:
+        only: Optional set of variable ids to move (others keep their sums).
+    """
+    with strategy.scope():
+        for v, running, keras_accumulator in zip(variables, sums.sums, sums.keras_accumulators(optimizer, variables)):
+            if only is not None and id(v) not in only:
+                continue
+            running.assign(keras_accumulator.value if hasattr(keras_accumulator, "value") else keras_accumulator)
+            keras_accumulator.assign(tf.zeros_like(keras_accumulator))
+
+
+def zero_keras_accumulators(optimizer, variables, sums, strategy):
+    with strategy.scope():
+        for keras_accumulator in sums.keras_accumulators(optimizer, variables):
+            keras_accumulator.assign(tf.zeros_like(keras_accumulator))

@@ -31,15 +31,15 @@ _DECIDE_ON_REDUCED_LOGS = (
 )
 
 
-def adapt_callbacks(callbacks, model, agreement, resumed_steps=0):
+def adapt_callbacks(callbacks, model, agreement, resume_point=None):
     """Returns the callbacks `fit` should run on this worker.
 
     Args:
         callbacks: The user's list of `keras.callbacks.Callback` (or `None`).
         model: The `DistributedModel`.
         agreement: Its `WorkerAgreement`.
-        resumed_steps: Integer, steps of the first epoch a `BackupAndRestore`
-            backup had done (skipped on resume).
+        resume_point: The `ResumePoint` of this `fit` (steps of the first
+            epoch a `BackupAndRestore` backup had done), or `None`.
 
     Returns:
         A new list: log-only callbacks dropped on non-chief workers,
@@ -57,7 +57,7 @@ def adapt_callbacks(callbacks, model, agreement, resumed_steps=0):
         adapted.append(callback)
     backups = resume.backups_in(adapted)
     for backup in backups:
-        resume.make_resumable(backup, agreement, resumed_steps)
+        resume.make_resumable(backup, agreement, resume_point or resume.ResumePoint(0))
     stops_alone = agreement.multi_worker and any(_may_stop_alone(c) for c in adapted)
     adapted.append(AgreeOnStop(agreement, every_batch=bool(stops_alone or backups), backups=backups))
     return adapted

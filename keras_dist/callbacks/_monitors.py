@@ -78,16 +78,17 @@ class ThroughputMonitor(keras.callbacks.Callback):
         _wait_for(logs)
         self._seen += 1
         if self._seen > self.skip_steps and self._start is not None:
-            self._step_times.append(time.perf_counter() - self._start)
+            # One callback batch is `steps_per_execution` steps: the time of one step is its share.
+            steps_per_execution = getattr(self.model, "steps_per_execution", 1) or 1
+            self._step_times.append((time.perf_counter() - self._start) / steps_per_execution)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or not self._step_times:
             return
-        times = np.array(self._step_times)
-        steps_per_execution = getattr(self.model, "steps_per_execution", 1) or 1
-        examples = self._global_batch_size() * len(times) * steps_per_execution
+        times = np.array(self._step_times)  # Seconds per step.
+        examples = self._global_batch_size() * len(times)
         replicas = getattr(getattr(self.model, "distribute_strategy", None), "num_replicas_in_sync", 1)
-        logs["examples_per_second"] = examples / float(times.sum())
+        logs["examples_per_second"] = examples / float(times.sum())  # A short last execution counts as full.
         logs["examples_per_second_per_replica"] = logs["examples_per_second"] / replicas
         logs["step_seconds_p50"] = float(np.percentile(times, 50))
         logs["step_seconds_p90"] = float(np.percentile(times, 90))

@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import errors
+from keras_dist._runtime import keras_internals
 from keras_dist.strategy import _plan
 
 from keras_dist._process import RESTART_EXIT_STATUS  # noqa: E402 (75, EX_TEMPFAIL)
@@ -71,8 +72,46 @@ def steps_done_in_epoch(backup):
             return 0
 
 
+class ResumePoint:
+    """Steps of the first epoch a backup had done, and how many of them the input could skip.
+
+    Attributes:
+        steps: Integer, steps done in the epoch when the backup was taken.
+        skipped: Integer, batches actually skipped (`steps`, or 0 when the
+            input's length is unknown or infinite, or `steps_per_epoch` is
+            set: the epoch is then replayed from its start, as Keras does);
+            `None` until `fit` distributes its training input.
+    """
+
+    def __init__(self, steps):
+        self.steps = steps
+        self.skipped = None if steps else 0
+
+
+def epoch_length_is_known(x, steps_per_epoch=None):
+    """True when Keras knows `fit`'s epoch length from `x` itself, so skipping batches shortens the epoch.
+
+    Args:
+        x: `fit`'s `x`: arrays (or a dict/list of them), a `tf.data.Dataset`,
+            a `keras.utils.PyDataset`, a generator.
+        steps_per_epoch: `fit`'s `steps_per_epoch` (then the length is set,
+            and the input is read on across epochs: no skipping).
+    """
+    if steps_per_epoch:
+        return False
+    if isinstance(x, tf.data.Dataset):
+        return int(x.cardinality()) > 0
+    if isinstance(x, keras.utils.PyDataset):
+        try:
+            return len(x) > 0
+        except (TypeError, NotImplementedError):
+            return False
+    leaves = keras.tree.flatten(x) if isinstance(x, (dict, list, tuple)) else [x]
+    return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "__getitem__") for leaf in leaves)
+
+
 @contextlib.contextmanager
-def skipping_resumed_steps(model, steps):
+def skipping_resumed_steps(model, point, can_skip):
     """Skips the first `steps` batches of the training input's first iteration while `fit` runs.
 
     The training input is the first one `fit` hands to
@@ -82,18 +121,30 @@ def skipping_resumed_steps(model, steps):
     short and warns that the input "ran out of data"; that warning is
     silenced for this call only.
     """
-    if not steps:
+    if not point.steps:
         yield
         return
     strategy = model.distribute_strategy
     current = strategy.experimental_distribute_dataset  # May be keras_dist.data's routing.
     had_instance_attribute = "experimental_distribute_dataset" in strategy.__dict__
-    state = {"pending": steps}
 
     def distribute(dataset, options=None):
         distributed = current(dataset, options=options)
-        if state["pending"]:
-            distributed, state["pending"] = _SkipOnFirstIteration(distributed, state["pending"]), 0
+        if point.skipped is None:  # The first input fit distributes is the training input.
+            if can_skip:
+                point.skipped = point.steps
+                distributed = _SkipOnFirstIteration(distributed, point.steps)
+            else:
+                point.skipped = 0
+                warnings.warn(
+                    f"The backup was taken {point.steps} steps into an epoch, but this input's epoch length "
+                    "is unknown, infinite or set by `steps_per_epoch`, so skipping those batches would not "
+                    "shorten the epoch: the epoch is replayed from its start, on the backup's weights (Keras' "
+                    "behaviour). Fix: a finite input of known length (no `filter`/`repeat`, no "
+                    "`steps_per_epoch`), or `BackupAndRestore(save_freq='epoch')`.",
+                    errors.KerasDistWarning,
+                    stacklevel=2,
+                )
         return distributed
 
     strategy.experimental_distribute_dataset = distribute
@@ -102,6 +153,8 @@ def skipping_resumed_steps(model, steps):
             warnings.filterwarnings("ignore", message=_RAN_OUT_OF_DATA)
             yield
     finally:
+        if point.skipped is None:
+            point.skipped = 0
         if had_instance_attribute:
             strategy.experimental_distribute_dataset = current
         else:
@@ -126,14 +179,14 @@ class _SkipOnFirstIteration:
         return getattr(self._distributed, name)
 
 
-def make_resumable(backup, agreement, resumed_steps):
+def make_resumable(backup, agreement, point):
     """Makes `backup` write on the chief only, atomically, with the steps done in the epoch.
 
     Args:
         backup: A `keras.callbacks.BackupAndRestore`.
         agreement: The model's `WorkerAgreement`.
-        resumed_steps: Integer, steps of the first epoch skipped on resume
-            (added to the step count of backups taken in that epoch).
+        point: The `ResumePoint` of this `fit` (its skipped steps are added
+            to the step count of backups taken in the first epoch).
 
     Raises:
         ValueError: `double_checkpoint=True` under several workers.
@@ -151,13 +204,16 @@ def make_resumable(backup, agreement, resumed_steps):
             errors.KerasDistWarning,
             stacklevel=3,
         )
-    state = {"epoch": 0, "first_epoch": True, "offset": resumed_steps, "frozen": False, "at_epoch_end": False}
+    state = {"epoch": 0, "first_epoch": True, "frozen": False, "at_epoch_end": False}
+
+    def offset():
+        return (point.skipped or 0) if state["first_epoch"] else 0
 
     def save(steps_this_run):
         """Writes weights, then the metadata, each atomically; the chief writes, every worker waits."""
         if state["frozen"]:
             return
-        epoch, steps = state["epoch"], steps_this_run + (state["offset"] if state["first_epoch"] else 0)
+        epoch, steps = state["epoch"], steps_this_run + offset()
         total = (backup.params or {}).get("steps")
         if state["at_epoch_end"] or (total and steps >= total):
             epoch, steps = epoch + 1, 0  # A finished epoch: resume at the next one's start.
@@ -186,7 +242,8 @@ def make_resumable(backup, agreement, resumed_steps):
 
     def on_epoch_begin(epoch, logs=None):
         state["epoch"], state["batches"] = epoch, 0
-        state["iterations_at_begin"] = int(keras.ops.convert_to_numpy(backup.model.optimizer._iterations))
+        optimizer = keras_internals.optimizer_chain(backup.model.optimizer)[-1]
+        state["iterations_at_begin"] = int(keras.ops.convert_to_numpy(optimizer._iterations))
         keras_epoch_begin(epoch, logs)
 
     def on_train_batch_end(batch, logs=None):
@@ -194,12 +251,13 @@ def make_resumable(backup, agreement, resumed_steps):
         keras_batch_end(batch, logs)
 
     def on_epoch_end(epoch, logs=None):
-        if state["first_epoch"] and state["offset"]:
+        total = (backup.params or {}).get("steps")
+        if offset() and total:
             # The resumed epoch is shorter than Keras expects: its loop calls the train function once
             # more, which fails for lack of data, but TensorFlow may already have run the optimizer's
             # iteration increment (it does not depend on the data). Count only the steps that ran.
-            steps_per_execution = getattr(backup.model, "steps_per_execution", 1) or 1
-            backup.model.optimizer._iterations.assign(state["iterations_at_begin"] + state["batches"] * steps_per_execution)
+            optimizer = keras_internals.optimizer_chain(backup.model.optimizer)[-1]
+            optimizer._iterations.assign(state["iterations_at_begin"] + total - offset())
         state["at_epoch_end"] = True
         try:
             keras_epoch_end(epoch, logs)

@@ -1,5 +1,6 @@
 """`distributed_optimizer`: a Keras optimizer that sums gradients over replicas before it applies them."""
 
+import contextlib
 import types
 
 import tensorflow as tf
@@ -13,6 +14,7 @@ from keras_dist.collectives._options import CommunicationOptions
 
 _OPTIONS = "_keras_dist_communication"
 _SUMS = "_keras_dist_gradient_sums"
+_SUMS_VARIABLES = "_keras_dist_gradient_sums_variables"
 
 
 def distributed_optimizer(optimizer, communication=None):
@@ -90,7 +92,38 @@ def prepare_gradient_accumulation(optimizer, strategy, variables):
         return
     sums = optimizer.__dict__.get(_SUMS)
     if sums is None or not sums.matches(variables):
-        optimizer.__dict__[_SUMS] = accumulation.ReplicaGradientSums(strategy, variables, previous=sums)
+        sums = accumulation.ReplicaGradientSums(strategy, variables, previous=sums)
+        optimizer.__dict__[_SUMS] = sums
+        optimizer.__dict__[_SUMS_VARIABLES] = list(variables)
+        if optimizer.built:  # A partial cycle loaded into Keras' accumulators continues in the sums.
+            accumulation.take_sums_from_keras_accumulators(optimizer, variables, sums, strategy, only=sums.new_ids)
+
+
+@contextlib.contextmanager
+def accumulation_saved_with_weights(optimizer, strategy):
+    """While the block runs, Keras' accumulators hold the running sums, so a weights file keeps a partial cycle.
+
+    Collective under several workers (reading the sums sums them): every
+    worker must enter it, as every worker calls `save`.
+    """
+    sums = None if optimizer is None else optimizer.__dict__.get(_SUMS)
+    if sums is None:
+        yield
+        return
+    variables = optimizer.__dict__[_SUMS_VARIABLES]
+    accumulation.copy_sums_to_keras_accumulators(optimizer, variables, sums, strategy)
+    try:
+        yield
+    finally:
+        accumulation.zero_keras_accumulators(optimizer, variables, sums, strategy)
+
+
+def accumulation_loaded_with_weights(optimizer, strategy):
+    """After weights (with Keras' accumulators) were loaded: continue their partial cycle in the sums."""
+    sums = None if optimizer is None else optimizer.__dict__.get(_SUMS)
+    if sums is not None:
+        variables = optimizer.__dict__[_SUMS_VARIABLES]
+        accumulation.take_sums_from_keras_accumulators(optimizer, variables, sums, strategy)
 
 
 def _apply_summed(optimizer, grads, trainable_variables=None):

@@ -107,3 +107,44 @@ def test_the_same_backup_callback_in_two_fits_wraps_keras_methods_once(tmp_path,
         model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[backup])
     kept = backup.__dict__["_keras_dist_keras_methods"]
     assert all(kept[name].__func__ is getattr(keras.callbacks.BackupAndRestore, name) for name in kept)
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs",
+    [("accumulation", {}), ("steps_per_execution", {}), ("generator", {})],
+)
+def test_resume_mid_cycle_and_uneven_executions_match_an_uninterrupted_run(tmp_path, mirrored_1x2_cpu, kind, kwargs):
+    """A backup in the middle of an accumulation cycle keeps its partial sums (saved in Keras' accumulators);
+    a short last execution (8 steps as 3+3+2) keeps the step count exact."""
+
+    def model():
+        inputs = keras.Input((3,))
+        m = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=mirrored_1x2_cpu)
+        optimizer = keras.optimizers.Adam(0.05, gradient_accumulation_steps=2 if kind == "accumulation" else None)
+        m.compile(optimizer=optimizer, loss="mse", steps_per_execution=3 if kind == "steps_per_execution" else 1)
+        return m
+
+    save_freq, crash = (3, 11) if kind == "accumulation" else (4, 4) if kind == "steps_per_execution" else (3, 13)
+    reference = model()
+    _fit(reference, [])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(Crash):
+        _fit(model(), [keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq), AtStep(crash, _raise)])
+    resumed = model()
+    _fit(resumed, [keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq)])
+    assert int(np.asarray(resumed.optimizer.iterations)) == int(np.asarray(reference.optimizer.iterations))
+    for a, b in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_an_input_of_unknown_length_replays_the_epoch_with_a_warning(tmp_path, mirrored_1x2_cpu):
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: True).batch(8)
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(Crash):
+        _model(mirrored_1x2_cpu).fit(
+            dataset, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=3), AtStep(13, _raise)]
+        )
+    with pytest.warns(keras_dist.errors.KerasDistWarning, match="the epoch is replayed from its start"):
+        _model(mirrored_1x2_cpu).fit(dataset, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=3)])
