@@ -383,11 +383,14 @@ class DistributedModel(keras.Model):
             return
         try:
             yield
-        except tf.errors.InvalidArgumentError as e:
+        except (tf.errors.InvalidArgumentError, tf.errors.InternalError) as e:  # Mismatched collectives raise either.
             info = _cluster.cluster_from_environment()
             if collectives_all_reduce.GRADIENT_STRUCTURE_MISMATCH in e.message:
                 raise RuntimeError(_peer_errors.gradient_structure_message(info, e.message)) from e
-            if "collective" not in e.message.lower():
+            mismatched = "collective" in e.message.lower() and (
+                isinstance(e, tf.errors.InvalidArgumentError) or "expected type" in e.message or "mismatch" in e.message.lower()
+            )
+            if not mismatched:
                 raise
             raise RuntimeError(_peer_errors.out_of_step_message(info, e.message)) from e
         except _PEER_ERRORS as e:
