@@ -8,6 +8,7 @@ Must not: build models, change the examples themselves, or take a batch from
 the user's iterator to look at it.
 """
 
+from keras_dist.data._buckets import bucket_by_length
 from keras_dist.data._creator import DatasetCreator
 from keras_dist.data._distribute import InputPlan
 from keras_dist.data._sharding import AUTO_SHARD_POLICIES, with_auto_shard_policy
@@ -18,6 +19,7 @@ __all__ = [
     "DatasetCreator",
     "InputPlan",
     "ShardingReport",
+    "bucket_by_length",
     "verify_sharding",
     "with_auto_shard_policy",
 ]

@@ -15,7 +15,7 @@ PUBLIC = {
         "prepare_gradient_accumulation",
     ],
     "keras_dist.data": [
-        "AUTO_SHARD_POLICIES", "DatasetCreator", "InputPlan", "ShardingReport", "verify_sharding",
+        "AUTO_SHARD_POLICIES", "DatasetCreator", "InputPlan", "ShardingReport", "bucket_by_length", "verify_sharding",
         "with_auto_shard_policy",
     ],
     "keras_dist.strategy": [
