@@ -77,8 +77,24 @@ def test_throughput_monitor_logs_rates_and_percentiles(mirrored_1x2_cpu):
     assert all(v > 0 for v in logs["examples_per_second"])
     np.testing.assert_allclose(np.array(logs["examples_per_second"]) / 2, logs["examples_per_second_per_replica"])
     assert all(p50 <= p90 for p50, p90 in zip(logs["step_seconds_p50"], logs["step_seconds_p90"]))
-    # examples / s = global batch x steps / summed step time: the median step is consistent with it.
-    assert 8 / max(logs["step_seconds_p90"]) <= max(logs["examples_per_second"]) * 1.5
+
+
+def test_throughput_monitor_arithmetic_on_a_fake_clock(mirrored_1x2_cpu, monitor_clock):
+    """Every step takes 0.5 s on the fake clock: 8 examples / 0.5 s = 16 examples/s, p50 = p90 = 0.5 s."""
+    model = _model(mirrored_1x2_cpu)
+    logs = model.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[ThroughputMonitor()]).history
+    np.testing.assert_allclose(logs["examples_per_second"], [16.0, 16.0])
+    np.testing.assert_allclose(logs["examples_per_second_per_replica"], [8.0, 8.0])
+    np.testing.assert_allclose(logs["step_seconds_p50"] + logs["step_seconds_p90"], [0.5] * 4)
+
+
+@pytest.fixture
+def monitor_clock(monkeypatch):
+    """ThroughputMonitor's clock, advancing 0.5 s per reading (one reading per step begin and end)."""
+    from keras_dist.callbacks import _monitors
+
+    ticks = iter(np.arange(0, 10_000, 0.5))
+    monkeypatch.setattr(_monitors, "_now", lambda: float(next(ticks)))
 
 
 class PredictGrowingInputs(keras.callbacks.Callback):

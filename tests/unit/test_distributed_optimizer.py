@@ -107,14 +107,21 @@ def test_user_train_step_clips_the_global_gradient(multi_replica_strategy, clipp
     assert max_weight_difference(reference, model) < 1e-5
 
 
-def _custom_loop(strategy, optimizer, wrap):
+def _custom_loop(strategy, optimizer, wrap=False, compiled=False):
+    """strategy.run + optimizer.apply_gradients; `compiled`: on a compiled DistributedModel's `model.optimizer`."""
     x, y = _data(32)
-    with strategy.scope():
+    if compiled:
         inputs = keras.Input((4,))
-        model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
-        optimizer = optimizer()
-        if wrap:
-            keras_dist.distributed_optimizer(optimizer, {"bytes_per_pack": 64})
+        model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=strategy)
+        model.compile(optimizer=optimizer(), loss="mse")
+        optimizer = model.optimizer
+    else:
+        with strategy.scope():
+            inputs = keras.Input((4,))
+            model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+            optimizer = optimizer()
+            if wrap:
+                keras_dist.distributed_optimizer(optimizer, {"bytes_per_pack": 64})
     dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
 
     @tf.function
@@ -143,6 +150,18 @@ def _one_device_loop(optimizer):
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
     return model
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_custom_training_loop_with_stateful_optimizer_matches_single_device(mirrored_1x2_cpu, optimizer):
+    """shared/cases 08: strategy.run + model.optimizer.apply_gradients, slots never built by fit."""
+
+    def make_optimizer():
+        return keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.01, momentum=0.9)
+
+    model = _custom_loop(mirrored_1x2_cpu, make_optimizer, compiled=True)
+    assert max_weight_difference(_one_device_loop(make_optimizer), model) < 1e-6
+    assert int(model.optimizer.iterations.numpy()) == 4
 
 
 def test_raw_optimizer_in_a_custom_loop_clips_the_global_gradient(mirrored_1x2_cpu):
