@@ -187,6 +187,19 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="exhausted_input_iteration_count",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (one_step_on_iterator: the epoch's last call fails in get_next)",
+            symptom="When an epoch ends because the input ran out (a dataset of unknown length, e.g. after filter), "
+            "Keras calls the train function once more; it fails for lack of data, but TensorFlow has already run "
+            "the optimizer's iteration increment, which does not depend on the data: optimizer.iterations counts "
+            "one step too many per epoch (2 epochs of 8 batches: 18), shifting Adam's bias correction.",
+            remedy="DistributedModel.fit counts the steps each epoch ran (steps_per_execution=1) and, at the epoch's "
+            "end, before any other callback, sets the counter back to the steps that ran.",
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="gradient_accumulation_under_strategy",
             package="keras",
             affected=">=3.0",

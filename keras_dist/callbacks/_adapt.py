@@ -9,6 +9,8 @@ worker stops every worker at the same boundary.
 
 import keras
 
+from keras_dist import _compat
+from keras_dist._runtime import keras_internals as ki
 from keras_dist.callbacks import _resume as resume
 from keras_dist.strategy import _plan
 
@@ -60,7 +62,35 @@ def adapt_callbacks(callbacks, model, agreement, resume_point=None):
         resume.make_resumable(backup, agreement, resume_point or resume.ResumePoint(0))
     stops_alone = agreement.multi_worker and any(_may_stop_alone(c) for c in adapted)
     adapted.append(AgreeOnStop(agreement, every_batch=bool(stops_alone or backups), backups=backups))
+    if _compat.is_active("exhausted_input_iteration_count"):
+        adapted.insert(0, ExactIterationCount())  # First: callbacks that save at epoch end see the exact count.
     return adapted
+
+
+class ExactIterationCount(keras.callbacks.Callback):
+    """Sets `optimizer.iterations` back to the steps an epoch ran, when the input ran out (compat fix).
+
+    See docs/compat.md, `exhausted_input_iteration_count`. Counts the raw
+    counter of the innermost optimizer (micro-batches under accumulation).
+    Only with `steps_per_execution=1`, where Keras' last call of an epoch
+    is a plain `get_next` that can fail after the increment ran.
+    """
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._begin, self._steps = self._count(), 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (getattr(self.model, "steps_per_execution", 1) or 1) != 1:
+            return
+        expected = self._begin + self._steps
+        if self._count() > expected:
+            ki.optimizer_chain(self.model.optimizer)[-1]._iterations.assign(expected)
+
+    def _count(self):
+        return int(keras.ops.convert_to_numpy(ki.optimizer_chain(self.model.optimizer)[-1]._iterations))
 
 
 def _may_stop_alone(callback):

@@ -18,7 +18,6 @@ import keras
 import tensorflow as tf
 
 from keras_dist import errors
-from keras_dist._runtime import keras_internals
 from keras_dist.strategy import _plan
 
 from keras_dist._process import RESTART_EXIT_STATUS  # noqa: E402 (75, EX_TEMPFAIL)
@@ -235,29 +234,16 @@ def make_resumable(backup, agreement, point):
     # wrapped again around them, not around the previous wrappers.
     keras_methods = backup.__dict__.setdefault(
         "_keras_dist_keras_methods",
-        {name: getattr(backup, name) for name in ("on_epoch_begin", "on_train_batch_end", "on_epoch_end", "on_train_end")},
+        {name: getattr(backup, name) for name in ("on_epoch_begin", "on_epoch_end", "on_train_end")},
     )
-    keras_epoch_begin, keras_batch_end = keras_methods["on_epoch_begin"], keras_methods["on_train_batch_end"]
+    keras_epoch_begin = keras_methods["on_epoch_begin"]
     keras_epoch_end, keras_train_end = keras_methods["on_epoch_end"], keras_methods["on_train_end"]
 
     def on_epoch_begin(epoch, logs=None):
-        state["epoch"], state["batches"] = epoch, 0
-        optimizer = keras_internals.optimizer_chain(backup.model.optimizer)[-1]
-        state["iterations_at_begin"] = int(keras.ops.convert_to_numpy(optimizer._iterations))
+        state["epoch"] = epoch
         keras_epoch_begin(epoch, logs)
 
-    def on_train_batch_end(batch, logs=None):
-        state["batches"] += 1
-        keras_batch_end(batch, logs)
-
     def on_epoch_end(epoch, logs=None):
-        total = (backup.params or {}).get("steps")
-        if offset() and total:
-            # The resumed epoch is shorter than Keras expects: its loop calls the train function once
-            # more, which fails for lack of data, but TensorFlow may already have run the optimizer's
-            # iteration increment (it does not depend on the data). Count only the steps that ran.
-            optimizer = keras_internals.optimizer_chain(backup.model.optimizer)[-1]
-            optimizer._iterations.assign(state["iterations_at_begin"] + total - offset())
         state["at_epoch_end"] = True
         try:
             keras_epoch_end(epoch, logs)
@@ -277,7 +263,6 @@ def make_resumable(backup, agreement, point):
 
     backup._save_model = save_model
     backup.on_epoch_begin = on_epoch_begin
-    backup.on_train_batch_end = on_train_batch_end
     backup.on_epoch_end = on_epoch_end
     backup.on_train_end = on_train_end
     backup.keras_dist_save_for_preemption = save_for_preemption

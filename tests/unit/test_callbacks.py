@@ -71,7 +71,8 @@ def test_one_worker_keeps_the_callbacks_and_decides_locally(mirrored_1x2_cpu):
     agreement = _coordination.WorkerAgreement(mirrored_1x2_cpu)
     callbacks = [keras.callbacks.CSVLogger("log.csv"), keras.callbacks.EarlyStopping()]
     adapted = _adapt.adapt_callbacks(callbacks, _model(mirrored_1x2_cpu), agreement)
-    assert adapted[:-1] == callbacks and isinstance(adapted[-1], _adapt.AgreeOnStop) and not adapted[-1].every_batch
+    assert adapted[1:-1] == callbacks and isinstance(adapted[0], _adapt.ExactIterationCount)
+    assert isinstance(adapted[-1], _adapt.AgreeOnStop) and not adapted[-1].every_batch
     assert agreement.any(True) and not agreement.any(False)
     agreement.barrier()
 

@@ -1,0 +1,39 @@
+"""An epoch that ends because the input ran out must not count an extra optimizer step."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dist
+from keras_dist import _compat
+from keras_dist.testing import max_weight_difference
+
+pytestmark = pytest.mark.compat
+
+X = np.random.RandomState(0).rand(64, 3).astype("float32")
+Y = X.sum(1, keepdims=True)
+
+
+def _train(strategy, unknown_length):
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y))
+    if unknown_length:
+        dataset = dataset.filter(lambda x, y: True)  # Keras learns the epoch's end only by running out.
+    inputs = keras.Input((3,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=strategy)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    model.fit(dataset.batch(8), epochs=2, verbose=0)
+    return model
+
+
+def test_without_fix_each_exhausted_epoch_counts_one_step_too_many(mirrored_1x2_cpu):
+    with _compat.disabled("exhausted_input_iteration_count"):
+        model = _train(mirrored_1x2_cpu, unknown_length=True)
+    assert int(np.asarray(model.optimizer.iterations)) == 18  # 2 epochs of 8 batches
+
+
+def test_with_fix_the_count_and_weights_equal_a_known_length_run(mirrored_1x2_cpu):
+    model = _train(mirrored_1x2_cpu, unknown_length=True)
+    reference = _train(mirrored_1x2_cpu, unknown_length=False)
+    assert int(np.asarray(model.optimizer.iterations)) == int(np.asarray(reference.optimizer.iterations)) == 16
+    assert max_weight_difference(reference, model) < 1e-6
