@@ -197,9 +197,17 @@ class DistributedModel(keras.Model):
         created under the strategy's scope; an optimizer constructed elsewhere
         is moved onto it.
 
+        `jit_compile=True` under a multi-replica strategy compiles each
+        replica's forward and backward pass with XLA; the gradient all-reduce
+        and the optimizer update run outside XLA (Keras alone would compile the
+        whole step across every replica, which fails). `"auto"` resolves to
+        `False` there, as Keras resolves it under any `tf.distribute` strategy.
+
         Raises:
-            ValueError: `jit_compile=True` under a multi-replica strategy
-                (Keras 3 cannot compile one step across replicas yet).
+            ValueError: `jit_compile=True` under a multi-replica strategy with
+                a `train_step` that overrides `DistributedModel`'s: keras-dist
+                cannot split a user's step into what XLA can compile and the
+                collectives it cannot.
 
         Distributed behavior:
             Under a multi-worker strategy `steps_per_execution` > 1 is
@@ -207,16 +215,10 @@ class DistributedModel(keras.Model):
         """
         strategy = self._distribute_strategy
         jit_compile = kwargs.get("jit_compile", "auto")
+        replica_jit_compile = False
         if _compat.is_active("jit_compile_mirrored") and variables.is_multi_replica(strategy):
-            if jit_compile is True:
-                raise ValueError(
-                    "`jit_compile=True` is not supported under a multi-replica strategy: "
-                    "Keras 3 compiles the step for one device and fails on the others "
-                    "(keras-team/keras#19005). Received: jit_compile=True, "
-                    f"num_replicas_in_sync={strategy.num_replicas_in_sync}. Fix: pass "
-                    "`jit_compile=False` (or leave the default, 'auto')."
-                )
-            kwargs["jit_compile"] = False
+            replica_jit_compile = self._replica_jit_compile(jit_compile, kwargs.get("run_eagerly", False))
+            kwargs["jit_compile"] = False  # Keras would compile the step across every replica at once.
         steps_per_execution = kwargs.get("steps_per_execution", 1)
         if (
             steps_per_execution != 1
@@ -234,9 +236,33 @@ class DistributedModel(keras.Model):
             kwargs["steps_per_execution"] = 1
         with strategy.scope():
             super().compile(*args, **kwargs)
+        self.__dict__["_keras_dist_replica_jit_compile"] = replica_jit_compile
         if self.optimizer is not None:
             collectives_optimizer.distributed_optimizer(self.optimizer, self.communication)
         self._distribute_state()
+
+    def _replica_jit_compile(self, jit_compile, run_eagerly):
+        """Resolves `compile(jit_compile=...)` under a multi-replica strategy: compile each replica's pass with XLA?"""
+        if jit_compile is not True or run_eagerly:
+            return False  # "auto": Keras itself picks no XLA under tf.distribute; run_eagerly wins, as in Keras.
+        if type(self).train_step is not DistributedModel.train_step:
+            raise ValueError(
+                "`jit_compile=True` under a multi-replica strategy needs DistributedModel's own "
+                f"`train_step`: keras-dist compiles each replica's forward and backward pass with XLA and "
+                f"runs the gradient all-reduce outside it, and cannot split an overriding `train_step` "
+                f"({type(self).__qualname__}.train_step) that way. Received: jit_compile=True, "
+                f"num_replicas_in_sync={self._distribute_strategy.num_replicas_in_sync}. Fix: pass "
+                "`jit_compile=False`, or compile your own forward and backward pass inside `train_step` "
+                "with `tf.function(jit_compile=True)` and call `self.optimizer.apply` outside it."
+            )
+        if not ki.model_supports_jit(self):
+            warnings.warn(
+                "Model doesn't support `jit_compile=True` (a layer has `supports_jit=False`). "
+                "Proceeding with `jit_compile=False`.",
+                stacklevel=3,
+            )
+            return False
+        return True
 
     def compile_from_config(self, config):
         """Compiles from a saved compile config (what `keras.models.load_model` calls)."""
@@ -410,9 +436,16 @@ class DistributedModel(keras.Model):
         (with `communication`'s packing, timeout and compression) before it
         applies them (`keras_dist.distributed_optimizer`), so gradient clipping
         acts on the global gradient; an overriding `train_step` that calls
-        `self.optimizer.apply` gets the same.
+        `self.optimizer.apply` gets the same. With `compile(jit_compile=True)`
+        under a multi-replica strategy the forward and backward pass is
+        compiled with XLA per replica (see `compile`).
         """
-        return steps.train_step(self, data, replica_loss_weight=self._replica_loss_weight)
+        return steps.train_step(
+            self,
+            data,
+            replica_loss_weight=self._replica_loss_weight,
+            forward_backward=self.__dict__.get("_keras_dist_forward_backward"),
+        )
 
     def _replica_loss_weight(self, num_examples):
         """Returns `num_replicas_in_sync * local_examples / global_examples` (collective).
@@ -471,6 +504,9 @@ class DistributedModel(keras.Model):
                 self.optimizer, self._distribute_strategy, self.trainable_weights
             )
         if self.train_function is None or force:
+            self.__dict__["_keras_dist_forward_backward"] = (
+                steps.compiled_forward_backward(self) if self.__dict__.get("_keras_dist_replica_jit_compile") else None
+            )
             self.train_function = steps.make_step_function(
                 self,
                 lambda data: self._reduce_in_replica_context(self.train_step(data)),

@@ -120,10 +120,10 @@ FIXES = {
             package="keras",
             affected=">=3.0",
             upstream="https://github.com/keras-team/keras/issues/19005 (also keras-team/keras#18145)",
-            symptom="compile(jit_compile=True) (and 'auto' on GPUs) under a multi-replica strategy "
-            "crashes in the first step: XLA compiles for one device and reaches a variable on another.",
-            remedy="Under a multi-replica strategy 'auto' resolves to False and True is refused at "
-            "compile() with a message saying what to do.",
+            symptom="compile(jit_compile=True) under a multi-replica strategy crashes in the first "
+            "step: Keras compiles the whole step, every replica and the all-reduce, as one XLA cluster.",
+            remedy="XLA compiles each replica's forward and backward pass; the all-reduce, optimizer "
+            "update, metrics and layer state updates run outside it (an overriding train_step is refused).",
             remove_when=_OPEN,
         ),
         Fix(

@@ -13,6 +13,7 @@ from keras.src.models.functional import Functional
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
+from keras.src.trainers.trainer import model_supports_jit
 from keras.src.utils.rng_utils import get_random_seed
 
 __all__ = [

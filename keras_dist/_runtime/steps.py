@@ -5,8 +5,10 @@ and build hook. They use Keras' private trainer attributes, which is why they
 live in `_runtime`.
 """
 
+import functools
 import warnings
 
+import keras
 import tensorflow as tf
 from keras import tree
 
@@ -15,46 +17,109 @@ from tensorflow.python.distribute.values import PerReplicaSpec
 from keras_dist._runtime import keras_internals as ki
 
 
-def train_step(model, data, *, replica_loss_weight):
+def train_step(model, data, *, replica_loss_weight, forward_backward=None):
     """Runs Keras' TensorFlow `train_step` with a per-replica loss weight.
 
     Identical to `keras.Model.train_step` on the TensorFlow backend (3.15), except
     that the loss is multiplied by `replica_loss_weight(num_examples)` after the
-    loss tracker is updated and before gradients are taken.
+    loss tracker reads it and before gradients are taken, and that the forward
+    and backward pass may be a compiled function (`compiled_forward_backward`).
 
     Args:
         model: The `keras.Model` being trained.
         data: One per-replica batch: `x`, `(x, y)` or `(x, y, sample_weight)`.
         replica_loss_weight: Callable taking this replica's example count (int32
             scalar tensor) and returning a float scalar multiplier.
+        forward_backward: `None` (the pass runs in the step's own graph) or
+            what `compiled_forward_backward(model)` returned.
 
     Returns:
         Dict of metric results, as `model.compute_metrics` returns them.
 
     Distributed behavior:
         Runs in replica context. `replica_loss_weight` may be a collective; every
-        replica calls it once per step.
+        replica calls it once per step, before the forward pass (so that a
+        compiled forward and backward pass holds no collective).
     """
     x, y, sample_weight = ki.unpack_x_y_sample_weight(data)
-    with tf.GradientTape() as tape:
-        y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-        loss = model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
-        num_examples = batch_size_of(x)
-        model._loss_tracker.update_state(
-            ki.unscale_loss_for_distribution(loss), sample_weight=num_examples
-        )
-        loss = loss * tf.cast(replica_loss_weight(num_examples), loss.dtype)
-        if model.optimizer is not None:
-            loss = model.optimizer.scale_loss(loss)
-    if model.trainable_weights:
-        trainable_weights = model.trainable_weights
-        gradients = tape.gradient(loss, trainable_weights)
-        model.optimizer.apply_gradients(zip(gradients, trainable_weights))
+    num_examples = batch_size_of(x)
+    loss_weight = replica_loss_weight(num_examples)
+    y_pred, loss, gradients = (forward_backward or functools.partial(_forward_backward, model))(
+        x, y, sample_weight, loss_weight
+    )
+    model._loss_tracker.update_state(ki.unscale_loss_for_distribution(loss), sample_weight=num_examples)
+    if gradients is not None:
+        model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
     else:
         warnings.warn("The model does not have any trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _forward_backward(model, x, y, sample_weight, loss_weight):
+    """Returns `(y_pred, loss, gradients)`: one replica's forward and backward pass (no collective).
+
+    `loss` is the replica's loss before `loss_weight` and loss scaling;
+    `gradients` (one per `model.trainable_weights`, or `None` when there are
+    none) are of the weighted, scaled loss.
+    """
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        weighted = loss * tf.cast(loss_weight, loss.dtype)
+        if model.optimizer is not None:
+            weighted = model.optimizer.scale_loss(weighted)
+    trainable_weights = model.trainable_weights
+    gradients = tape.gradient(weighted, trainable_weights) if trainable_weights else None
+    return y_pred, loss, gradients
+
+
+def compiled_forward_backward(model):
+    """Returns one replica's forward and backward pass compiled with XLA, for `train_step`.
+
+    This is how `jit_compile=True` works under a multi-replica strategy: XLA
+    compiles what each replica computes alone (the forward pass, the loss and
+    its gradients) on the replica's device, while every synchronization point
+    runs in the step's ordinary graph, as in tf.keras 2: the gradient
+    all-reduce and the optimizer update, the metrics, and the layers' own
+    state updates (BatchNormalization's moving statistics, seed generator
+    states): `call` runs under a `keras.StatelessScope` inside XLA and the new
+    values are assigned after it, where an assignment to a mirrored variable
+    may synchronize the replicas as it does without XLA. Build a new one
+    whenever the train function is rebuilt: the trainable weights are read
+    when it is traced.
+
+    Returns:
+        A callable taking `(x, y, sample_weight, loss_weight)` and returning
+        `(y_pred, loss, gradients)`, as `_forward_backward` does.
+
+    Raises:
+        ValueError: When traced, if `call` assigns a variable the model does
+            not track (its new value would have nowhere to go).
+    """
+    assigned = []  # The variables `call` assigns, in the order their values are returned; set when traced.
+
+    def forward_backward(x, y, sample_weight, loss_weight):
+        with keras.StatelessScope(collect_losses=True) as scope:
+            y_pred, loss, gradients = _forward_backward(model, x, y, sample_weight, loss_weight)
+        assigned[:] = [v for v in model.variables if scope.get_current_value(v) is not None]
+        if len(assigned) != len(scope.state_mapping):
+            raise ValueError(
+                "With `jit_compile=True` under a multi-replica strategy, `call` may only assign the "
+                f"model's own variables; it assigned {len(scope.state_mapping) - len(assigned)} that "
+                f"`{type(model).__name__}.variables` does not list. Fix: create those variables in a "
+                "layer of the model (so that the model tracks them), or pass `jit_compile=False`."
+            )
+        return y_pred, loss, gradients, [scope.get_current_value(v) for v in assigned]
+
+    compiled = tf.function(forward_backward, jit_compile=True, reduce_retracing=True)
+
+    def run(x, y, sample_weight, loss_weight):
+        y_pred, loss, gradients, values = compiled(x, y, sample_weight, loss_weight)
+        for variable, value in zip(assigned, values):
+            variable.assign(value)
+        return y_pred, loss, gradients
+
+    return run
 
 
 def batch_size_of(x):

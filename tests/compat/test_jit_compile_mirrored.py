@@ -1,8 +1,9 @@
-"""shared/cases/06: jit_compile=True under MirroredStrategy crashes in Keras; we refuse it at compile."""
+"""shared/cases/06: jit_compile=True under a multi-replica strategy crashes in Keras; keras-dist compiles each replica's pass."""
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_dist
 from keras_dist import _compat
@@ -11,22 +12,130 @@ from keras_dist import _compat
 pytestmark = pytest.mark.compat
 
 
-def _model(strategy):
+def _model(strategy, hidden_layer=None):
+    """A DistributedModel on `strategy`, or a plain `keras.Model` when `strategy` is None."""
     inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu")(inputs)
-    return keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(hidden), strategy=strategy)
+    hidden = (hidden_layer or keras.layers.Dense(16, activation="relu"))(inputs)
+    outputs = keras.layers.Dense(1)(hidden)
+    if strategy is None:
+        return keras.Model(inputs, outputs)
+    return keras_dist.DistributedModel(inputs, outputs, strategy=strategy)
+
+
+def _data(num_examples=58):  # Batches of 16, the last of 10: uneven over 3 replicas (4, 3, 3).
+    x = np.random.RandomState(0).rand(num_examples, 8).astype("float32")
+    return x, x.sum(1, keepdims=True)
+
+
+def _trained(strategy, jit_compile, epochs=2):
+    keras.utils.set_random_seed(0)
+    model = _model(strategy)
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"], jit_compile=jit_compile)
+    history = model.fit(*_data(), batch_size=16, epochs=epochs, verbose=0, shuffle=False)
+    return model, history.history
 
 
 def test_without_fix_the_first_step_crashes(mirrored_1x2_cpu):
-    x = np.random.RandomState(0).rand(32, 8).astype("float32")
     with _compat.disabled("jit_compile_mirrored"):
         model = _model(mirrored_1x2_cpu)
         model.compile(optimizer="adam", loss="mse", jit_compile=True)
         with pytest.raises(Exception):
-            model.fit(x, x.sum(1, keepdims=True), batch_size=16, verbose=0)
+            model.fit(*_data(), batch_size=16, verbose=0)
 
 
-def test_with_fix_refused_at_compile(mirrored_1x2_cpu):
+@pytest.mark.parametrize("strategy_fixture", ["mirrored_1x2_cpu", "mirrored_1x3_cpu"])
+def test_with_fix_each_replica_is_compiled_and_trains_like_one_device(request, strategy_fixture):
+    strategy = request.getfixturevalue(strategy_fixture)
+    expected, expected_history = _trained(None, jit_compile=False)
+    model, history = _trained(strategy, jit_compile=True)
+    assert model.__dict__["_keras_dist_forward_backward"] is not None  # The XLA path, not a silent fallback.
+    for a, b in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(history["loss"], expected_history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history["mae"], expected_history["mae"], rtol=1e-5)
+
+
+class _NotCompilable(keras.layers.Layer):
+    """Identity through `tf.numpy_function`, which XLA cannot compile."""
+
+    def call(self, x):
+        y = tf.numpy_function(lambda a: a, [x], tf.float32, stateful=False)
+        return tf.reshape(y, tf.shape(x))
+
+
+def test_with_fix_xla_really_compiles_the_replica_pass(mirrored_1x2_cpu):
+    """An op XLA cannot compile fails with jit_compile=True, and trains without: XLA is really used."""
+    model = _model(mirrored_1x2_cpu, hidden_layer=_NotCompilable())
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with pytest.raises(Exception, match="(?i)xla|compil|unsupported"):
+        model.fit(*_data(), batch_size=16, verbose=0)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    model.fit(*_data(), batch_size=16, verbose=0)
+
+
+def test_auto_and_run_eagerly_do_not_compile(mirrored_1x2_cpu):
     model = _model(mirrored_1x2_cpu)
-    with pytest.raises(ValueError, match="keras-team/keras#19005.*Fix: pass `jit_compile=False`"):
-        model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    model.compile(optimizer="sgd", loss="mse")
+    assert model.jit_compile is False
+    model.fit(*_data(), batch_size=16, verbose=0)
+    assert model.__dict__["_keras_dist_forward_backward"] is None
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True, run_eagerly=True)
+    model.fit(*_data(), batch_size=16, verbose=0)
+    assert model.__dict__["_keras_dist_forward_backward"] is None
+
+
+def test_an_overriding_train_step_is_refused_with_the_fix(mirrored_1x2_cpu):
+    class OwnStep(keras_dist.DistributedModel):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    inputs = keras.Input((8,))
+    model = OwnStep(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    with pytest.raises(ValueError, match=r"OwnStep.train_step.*Fix: pass `jit_compile=False`"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+
+
+def _cnn(strategy, dropout):
+    inputs = keras.Input((6, 6, 3))
+    hidden = keras.layers.Conv2D(4, 3)(inputs)
+    hidden = keras.layers.BatchNormalization()(hidden)
+    hidden = keras.layers.Activation("relu")(hidden)
+    if dropout:
+        hidden = keras.layers.Dropout(0.25, seed=7)(hidden)
+    outputs = keras.layers.Dense(5)(keras.layers.GlobalAveragePooling2D()(hidden))
+    return keras_dist.DistributedModel(inputs, outputs, strategy=strategy)
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_with_fix_layer_state_updates_match_the_uncompiled_step(mirrored_1x2_cpu, dropout):
+    """BatchNormalization's moving statistics and Dropout's seed state are assigned outside XLA, as without it.
+
+    With Dropout only the seed states are compared: XLA draws other random
+    numbers than TensorFlow's kernels from the same seed (plain Keras on one
+    device too), so the masks, and then the weights, differ.
+    """
+    x = np.random.RandomState(1).rand(40, 6, 6, 3).astype("float32")
+    y = np.arange(40) % 5
+    trained = {}
+    for jit_compile in (False, True):
+        keras.utils.set_random_seed(0)
+        model = _cnn(mirrored_1x2_cpu, dropout)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        trained[jit_compile] = model
+    moving_mean = next(v for v in trained[True].variables if v.path.endswith("moving_mean"))
+    assert np.abs(moving_mean.numpy()).max() > 0  # Updated at all.
+    for v in trained[True].weights:  # Mirrored: every replica holds the same value (seed states differ by design).
+        for component in v.value.values[1:]:
+            np.testing.assert_array_equal(component.numpy(), v.value.values[0].numpy(), err_msg=v.path)
+    if dropout:
+        seed_states = [[v.value.values[i].numpy() for i in range(2)] for m in trained.values() for v in m.variables if "seed_generator_state" in v.path]
+        assert len(seed_states) == 2
+        np.testing.assert_array_equal(seed_states[0], seed_states[1])
+        return
+    for a, b in zip(trained[True].get_weights(), trained[False].get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
