@@ -1,7 +1,8 @@
 """Draws the documentation's figures from benchmark JSON (no measuring here).
 
     python benchmarks/all_reduce.py --json benchmarks/results/all_reduce.json
-    python benchmarks/plot.py            # writes docs/images/*.png
+    python benchmarks/loss_curves.py --json benchmarks/results/loss_curves.json
+    python benchmarks/plot.py            # writes docs/images/*.png (--figure all_reduce|loss_curves: one)
 
 Each figure is drawn from the JSON a benchmark wrote, so the docs show what was measured.
 """
@@ -33,15 +34,47 @@ def all_reduce_figure(results, path):
     plt.close(figure)
 
 
+def loss_curves_figure(results, path):
+    """Keras' running loss after each step on 1 device, 2 CPU replicas and 2 workers; the curves coincide."""
+    labels = {"one_device": "1 device", "cpu_replicas_1x2": "2 CPU replicas (1 worker)", "workers_2x1": "2 workers x 1 replica"}
+    styles = {"one_device": ("#4a7ebb", "-", 3.0), "cpu_replicas_1x2": ("#c0504d", "--", 1.8), "workers_2x1": ("#2f2f2f", ":", 1.8)}
+    figure, axis = plt.subplots(figsize=(5, 3.2))
+    for run, curve in results["runs"].items():
+        color, linestyle, width = styles.get(run, ("gray", "-", 1.0))
+        axis.plot(range(1, len(curve["step_loss"]) + 1), curve["step_loss"], color=color, linestyle=linestyle,
+                  linewidth=width, label=labels.get(run, run))
+    axis.set_yscale("log")
+    axis.set_xlabel("training step")
+    axis.set_ylabel("training loss (running mean of the epoch)")
+    axis.set_title(f"digits CNN, global batch {results['global_batch_size']}, seed {results['seed']}: "
+                   f"largest difference {results['max_abs_difference']:.1g}", fontsize=8)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+FIGURES = {  # name: (results file, drawing function, image file)
+    "all_reduce": ("all_reduce.json", all_reduce_figure, "all_reduce_busbw.png"),
+    "loss_curves": ("loss_curves.json", loss_curves_figure, "loss_curves.png"),
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "images"))
+    parser.add_argument("--figure", choices=sorted(FIGURES), action="append", help="draw only this figure (repeatable)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.results, "all_reduce.json")) as f:
-        all_reduce_figure(json.load(f), os.path.join(args.out, "all_reduce_busbw.png"))
-    print("wrote", os.path.join(args.out, "all_reduce_busbw.png"))
+    for name in args.figure or sorted(FIGURES):
+        results_file, draw, image = FIGURES[name]
+        with open(os.path.join(args.results, results_file)) as f:
+            results = json.load(f)
+        draw(results, os.path.join(args.out, image))
+        print("wrote", os.path.join(args.out, image))
+        if name == "loss_curves":
+            print(f"largest difference from one device: {results['max_abs_difference']:.3g}")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,11 @@ class ThroughputMonitor(keras.callbacks.Callback):
       the peak of all replicas (model FLOPs utilization, as defined by
       Chowdhery et al., 2022, "PaLM", appendix B).
 
-    The global batch size comes from `model.input_plan` (`DistributedModel`),
-    else from `fit`'s `batch_size`; a partial last batch is counted as full.
+    The global batch size is `global_batch_size`, else comes from
+    `model.input_plan` (`DistributedModel`), else from `fit`'s `batch_size`;
+    a partial last batch is counted as full. Where none says it (a dataset
+    whose batch dimension is not static, e.g. from `bucket_by_length`), the
+    examples/s and FLOP/s figures are left out, with one warning.
     The first `skip_steps` steps of the first epoch (tracing, warm-up) are
     left out.
 
@@ -47,6 +50,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
         peak_flops_per_second: Float, peak FLOP/s of one replica's device in
             the dtype you train in, or `None` to look the GPU up in
             `PEAK_FLOPS` (no figure on CPUs).
+        global_batch_size: Integer > 0, examples per step over all replicas,
+            or `None` to read it from the input plan or `fit`'s `batch_size`.
 
     Distributed behavior:
         Runs on every worker; every worker measures its own steps, which
@@ -56,14 +61,18 @@ class ThroughputMonitor(keras.callbacks.Callback):
     # Dense bf16/fp16 tensor-core peaks from the vendors' datasheets, FLOP/s per GPU.
     PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}
 
-    def __init__(self, skip_steps=1, *, flops_per_example=None, peak_flops_per_second=None):
+    def __init__(self, skip_steps=1, *, flops_per_example=None, peak_flops_per_second=None, global_batch_size=None):
         super().__init__()
         if not isinstance(skip_steps, int) or skip_steps < 0:
             raise ValueError(f"`skip_steps` must be an integer >= 0. Received: {skip_steps!r}.")
         for name, value in (("flops_per_example", flops_per_example), ("peak_flops_per_second", peak_flops_per_second)):
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"`{name}` must be a number > 0 or None. Received: {value!r}.")
+        if global_batch_size is not None and not (isinstance(global_batch_size, int) and global_batch_size > 0):
+            raise ValueError(f"`global_batch_size` must be an integer > 0 or None. Received: {global_batch_size!r}.")
         self.skip_steps = skip_steps
+        self.global_batch_size = global_batch_size
+        self._warned = False
         self.flops_per_example = flops_per_example
         self.peak_flops_per_second = peak_flops_per_second
         self._seen = 0
@@ -88,12 +97,24 @@ class ThroughputMonitor(keras.callbacks.Callback):
         if logs is None or not self._step_times:
             return
         times = np.array(self._step_times)  # Seconds per step.
-        examples = self._global_batch_size() * len(times)
-        replicas = getattr(getattr(self.model, "distribute_strategy", None), "num_replicas_in_sync", 1)
-        logs["examples_per_second"] = examples / float(times.sum())  # A short last execution counts as full.
-        logs["examples_per_second_per_replica"] = logs["examples_per_second"] / replicas
         logs["step_seconds_p50"] = float(np.percentile(times, 50))
         logs["step_seconds_p90"] = float(np.percentile(times, 90))
+        global_batch_size = self._global_batch_size()
+        if not global_batch_size:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "ThroughputMonitor: the global batch size is unknown (the dataset's batch dimension is not "
+                    "static and fit got no `batch_size`), so examples/s are left out; step times are reported. "
+                    "Fix: pass `ThroughputMonitor(global_batch_size=...)`.",
+                    errors.KerasDistWarning,
+                    stacklevel=2,
+                )
+            return
+        replicas = getattr(getattr(self.model, "distribute_strategy", None), "num_replicas_in_sync", 1)
+        # A short last execution counts as full.
+        logs["examples_per_second"] = global_batch_size * len(times) / float(times.sum())
+        logs["examples_per_second_per_replica"] = logs["examples_per_second"] / replicas
         if self.flops_per_example:
             logs["model_flops_per_second"] = self.flops_per_example * logs["examples_per_second"]
             peak = self.peak_flops_per_second or _gpu_peak_flops(self.PEAK_FLOPS)
@@ -101,6 +122,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
                 logs["model_flops_utilization"] = logs["model_flops_per_second"] / (peak * replicas)
 
     def _global_batch_size(self):
+        if self.global_batch_size:
+            return self.global_batch_size
         plan = getattr(self.model, "input_plan", None)
         if getattr(plan, "usage", None) == "fit" and getattr(plan, "global_batch_size", None):
             return plan.global_batch_size

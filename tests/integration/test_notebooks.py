@@ -39,6 +39,8 @@ def _run(name, tmp_path, timeout):
         ("mnist_tfds", ["test accuracy:", "global batch size:   128 examples"]),
         ("cifar10_mixed_precision", ["LossScaleOptimizer", "examples_per_second:", "test accuracy:"]),
         ("tpu", ["MirroredStrategy 2 replicas", "final training accuracy:"]),  # No TPU in CI: CPU replicas.
+        ("text_bucketing", ["   naive: traces per epoch [2, 0]", "bucketed: traces per epoch [2, 0]",
+                            "of the batched tokens are padding", "a plain tf.function traced", "test accuracy:"]),
     ],
 )
 def test_notebook_runs(tmp_path, name, expected):

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_dist
 from keras_dist import errors
@@ -173,3 +174,16 @@ def test_warmup_hands_over_to_a_later_scheduler_and_counts_micro_batches(mirrore
     record = RecordLearningRate()
     accumulating.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[LearningRateWarmup(warmup_epochs=1), record])
     np.testing.assert_allclose(record.rates[8:], [0.2] * 8, rtol=1e-6)  # Warm-up over the first epoch's 8 batches.
+
+
+def test_throughput_monitor_without_a_known_global_batch_size(mirrored_1x2_cpu):
+    """A dataset with no static batch dimension: examples/s left out with a warning, unless given."""
+    model = _model(mirrored_1x2_cpu)
+    x, y = _data()
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    batches = keras_dist.data.bucket_by_length(examples, boundaries=[4], global_batch_size=8, length_fn=lambda a, b: 3)
+    with pytest.warns(errors.KerasDistWarning, match=r"global batch size is unknown.*ThroughputMonitor\(global_batch_size=\.\.\.\)"):
+        logs = model.fit(batches, epochs=1, verbose=0, callbacks=[ThroughputMonitor()]).history
+    assert "step_seconds_p50" in logs and "examples_per_second" not in logs
+    logs = model.fit(batches, epochs=1, verbose=0, callbacks=[ThroughputMonitor(global_batch_size=8)]).history
+    assert logs["examples_per_second"][0] > 0
