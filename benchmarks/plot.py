@@ -2,7 +2,9 @@
 
     python benchmarks/all_reduce.py --json benchmarks/results/all_reduce.json
     python benchmarks/loss_curves.py --json benchmarks/results/loss_curves.json
-    python benchmarks/plot.py            # writes docs/images/*.png (--figure all_reduce|loss_curves: one)
+    python benchmarks/suite.py --systems keras_dist,keras,keras_loop,tf_keras,jax,keras_dist_tf_threads \
+        --steps 10 --epochs 3 --json benchmarks/results/suite.json
+    python benchmarks/plot.py            # writes docs/images/*.png (--figure all_reduce|loss_curves|suite_scaling: one)
 
 Each figure is drawn from the JSON a benchmark wrote, so the docs show what was measured.
 """
@@ -54,9 +56,46 @@ def loss_curves_figure(results, path):
     plt.close(figure)
 
 
+
+
+SYSTEM_COLORS = {
+    "keras_dist": "#4a7ebb", "keras": "#9bbb59", "keras_loop": "#c0504d", "tf_keras": "#8064a2", "jax": "#f79646",
+}
+
+
+def scaling_figure(suite, path):
+    """Step time relative to each system's own 1x1 run, per topology, one panel per workload (from suite.json)."""
+    results = suite["results"]
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    topologies = [t for t in dict.fromkeys(r["topology"] for r in results) if t != "1x1"]
+    systems = [s for s in SYSTEM_COLORS if any(r["system"] == s for r in results)]
+    figure, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.4), squeeze=False)
+    width = 0.8 / len(systems)
+    for axis, workload in zip(axes[0], workloads):
+        for i, system in enumerate(systems):
+            ratios = []
+            for topology in topologies:
+                key = (workload, topology, system)
+                row = next((r for r in results if (r["workload"], r["topology"], r["system"]) == key), {})
+                ratios.append(row.get("vs_own_1x1", 0.0))
+            positions = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(topologies))]
+            axis.bar(positions, ratios, width, color=SYSTEM_COLORS[system], label=system)
+        axis.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+        axis.set_xticks(range(len(topologies)), topologies)
+        axis.set_xlabel("workers x replicas per worker", fontsize=8)
+        axis.set_ylabel("step time / own 1x1")
+        axis.set_title(f"{workload}, global batch {suite['config']['global_batch_size']}", fontsize=10)
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle("Distribution overhead on one 2-core CPU host (lower is better; missing bar = not run)", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 FIGURES = {  # name: (results file, drawing function, image file)
     "all_reduce": ("all_reduce.json", all_reduce_figure, "all_reduce_busbw.png"),
     "loss_curves": ("loss_curves.json", loss_curves_figure, "loss_curves.png"),
+    "suite_scaling": ("suite.json", scaling_figure, "suite_scaling.png"),
 }
 
 

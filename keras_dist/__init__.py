@@ -2,10 +2,12 @@
 
 Swap `keras.Model` for `keras_dist.DistributedModel`, keep `compile` and `fit`.
 Importing keras_dist applies `KERAS_DIST_CPU_REPLICAS` (simulated CPU replicas)
-if it is set and, when `TF_CONFIG` or SLURM describes a cluster of several
-workers, joins it (TensorFlow needs the multi-worker strategy before its first
-operation); it changes nothing else. Inside the `keras-dist` command itself,
-importing the package loads nothing (the launcher runs without TensorFlow).
+and `KERAS_DIST_INTRA_OP_THREADS` / `KERAS_DIST_INTER_OP_THREADS` (CPU thread
+pools, shared out among local workers by `keras-dist launch`) if they are set
+and, when `TF_CONFIG` or SLURM describes a cluster of several workers, joins it
+(TensorFlow needs the multi-worker strategy before its first operation); it
+changes nothing else. Inside the `keras-dist` command itself, importing the
+package loads nothing (the launcher runs without TensorFlow).
 """
 
 import os
@@ -31,6 +33,9 @@ if not _is_keras_dist_command():
     _require_tensorflow_backend(_keras.backend.backend())
 
     from keras_dist._runtime.devices import apply_requested_cpu_replicas as _apply_requested_cpu_replicas
+    from keras_dist._runtime.threads import apply_requested_threads as _apply_requested_threads
+
+    _apply_requested_threads()
 
     _apply_requested_cpu_replicas()
 

@@ -28,6 +28,8 @@ import socket
 import sys
 
 from keras_dist._process import RESTART_COUNT_ENV
+from keras_dist.cli._threads import INTER_OP_THREADS_ENV, INTRA_OP_THREADS_ENV, check_threads, threads_for_launch
+from keras_dist.cli._threads import threads_per_worker
 from keras_dist.cli._worker_group import WorkerGroup, exit_status_message, launcher_exit_status
 
 LOOPBACK = "127.0.0.1"
@@ -49,6 +51,7 @@ __all__ = [
     "launch_command_parser",
     "launcher_exit_status",
     "parse_worker_addresses",
+    "threads_per_worker",
 ]
 
 
@@ -175,6 +178,7 @@ def build_worker_env(
     startup_timeout=None,
     heartbeat_timeout=None,
     collective_timeout=None,
+    threads_per_worker=None,
 ):
     """Returns the environment of worker `task_id`: a copy of `base_env` plus its settings.
 
@@ -193,13 +197,19 @@ def build_worker_env(
             Defaults to `None` (not set).
         collective_timeout: Float > 0, in seconds (`KERAS_DIST_COLLECTIVE_TIMEOUT`).
             Defaults to `None` (not set).
+        threads_per_worker: Integer >= 0, the size of TensorFlow's intra-op
+            and inter-op thread pools in this worker (`KERAS_DIST_INTRA_OP_THREADS`
+            and `KERAS_DIST_INTER_OP_THREADS`, applied by `import keras_dist`);
+            0 removes both variables (TensorFlow's defaults). Defaults to `None`
+            (the variables are left as `base_env` has them).
 
     Returns:
         New dict of strings with `TF_CONFIG`, `PYTHONUNBUFFERED=1` and the
         `KERAS_DIST_*` variables that were given.
 
     Raises:
-        ValueError: `task_id` is out of range, `cpu_replicas` < 1, or a timeout <= 0.
+        ValueError: `task_id` is out of range, `cpu_replicas` < 1, a timeout
+            <= 0, or `threads_per_worker` < 0.
 
     Example:
     >>> env = build_worker_env({"TF_CONFIG": "stale"}, cluster_spec={"worker": ["127.0.0.1:2222"]},
@@ -221,6 +231,12 @@ def build_worker_env(
         if seconds is not None:
             _check_seconds(name, seconds)
             env[env_name] = repr(float(seconds))
+    if threads_per_worker is not None:
+        check_threads("threads_per_worker", threads_per_worker)
+        for name in (INTRA_OP_THREADS_ENV, INTER_OP_THREADS_ENV):
+            env.pop(name, None)
+            if threads_per_worker:
+                env[name] = str(threads_per_worker)
     return env
 
 
@@ -274,6 +290,9 @@ def launch_command_parser(subparsers):
     add("--workers", metavar="HOST:PORT,...", help="every worker's address, in task order (a real cluster)")
     add("--task-index", type=int, metavar="I", help="with --workers: the one worker this machine runs")
     add("--cpu-replicas", type=int, metavar="R", help="split each worker's CPU into R replicas")
+    add("--threads-per-worker", type=int, metavar="N",
+        help="TensorFlow intra-op and inter-op threads per worker; 0 = TensorFlow's default "
+        "(default: the host's cores shared out among the local workers)")
     add("--startup-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_STARTUP_TIMEOUT")
     add("--heartbeat-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_HEARTBEAT_TIMEOUT")
     add("--collective-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_COLLECTIVE_TIMEOUT")
@@ -314,6 +333,7 @@ def launch_command(args):
         collective_timeout=args.collective_timeout,
     )
     command = [sys.executable, "-u", *(["-m"] if args.module else []), args.script, *args.script_args]
+    requested_threads = getattr(args, "threads_per_worker", None)
     max_restarts = getattr(args, "max_restarts", 0) or 0
     for attempt in range(max_restarts + 1):
         if args.workers is not None:
@@ -323,9 +343,12 @@ def launch_command(args):
             num_workers = DEFAULT_NUM_WORKERS if args.num_workers is None else args.num_workers
             cluster_spec = build_cluster_spec(ports=find_free_ports(num_workers))  # Fresh ports per attempt.
             task_ids = range(num_workers)
+        threads = threads_for_launch(len(task_ids), requested_threads, os.environ)
         envs = {}
         for i in task_ids:
-            envs[i] = build_worker_env(os.environ, cluster_spec=cluster_spec, task_id=i, **options)
+            envs[i] = build_worker_env(
+                os.environ, cluster_spec=cluster_spec, task_id=i, threads_per_worker=threads, **options
+            )
             envs[i][RESTART_COUNT_ENV] = str(attempt)
         group = WorkerGroup(grace_period=args.grace_period)
         status = group.run(command, envs)
@@ -386,6 +409,8 @@ def _validate_args(args):
         _check_positive_int("--num-workers", args.num_workers, fix="pass --num-workers 1 or more.")
     if args.cpu_replicas is not None:
         _check_positive_int("--cpu-replicas", args.cpu_replicas, fix="pass --cpu-replicas 1 or more.")
+    if getattr(args, "threads_per_worker", None) is not None:
+        check_threads("--threads-per-worker", args.threads_per_worker)
     for name in ("startup_timeout", "heartbeat_timeout", "collective_timeout"):
         if getattr(args, name) is not None:
             _check_seconds("--" + name.replace("_", "-"), getattr(args, name))

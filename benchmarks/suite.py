@@ -1,0 +1,280 @@
+"""Step time of keras-dist against raw Keras 3 `tf.distribute` and peers, per workload and topology.
+
+A benchmark, not a test: it prints what it measured in this run and writes
+JSON (`--json`), asserting nothing about speed.
+
+Every (system, topology) measurement runs in fresh processes
+(`benchmarks/_suite_worker.py`: simulated replicas must be configured before
+TensorFlow starts), interleaved: for each repeat, every topology, every system
+(A B C A B C ...), so a slow spell of a busy machine hits all systems alike.
+
+  workloads   mlp       784-512-512-10 MLP on random data (communication-heavy)
+              cnn       3 conv layers on 32x32x3 random images
+              digits    the main example's CNN on scikit-learn's 8x8 digits
+              sequence  variable-length tokens (8-64) bucketed to 4 lengths, masked GRU
+              All: SGD(0.01), sparse cross-entropy, global batch `--global-batch-size`.
+  topologies  <workers>x<replicas per worker>: 1x1 (one device), 1x2 (one process,
+              2 simulated CPU replicas, MirroredStrategy), 2x1 and 2x2 (2 local
+              workers via `keras-dist launch`, MultiWorkerMirroredStrategy);
+              `gpu` (MirroredStrategy over all GPUs, only when GPUs are present).
+  systems     keras_dist  keras_dist.DistributedModel, `fit`
+              keras       raw Keras 3 `keras.Model`, `fit`, same strategy
+              keras_loop  raw Keras 3, a custom `strategy.run` loop (where `fit`
+                          fails: Keras 3.15 under MultiWorkerMirroredStrategy)
+              tf_keras    tf.keras 2 (`pip install tf-keras`), `fit` (optional)
+              jax         Keras 3 on JAX, `keras.distribution.DataParallel` over
+                          XLA's simulated host devices, one process (optional)
+              keras_dist_tf_threads  keras_dist launched with
+                          `--threads-per-worker 0` (TensorFlow's thread pools),
+                          to measure the launcher's thread sharing (not default)
+
+Measured per process: `fit` runs 1 step (startup = process start to the end
+of that step, launcher included for workers), then `--epochs` epochs of
+`--steps` steps timed by epoch hooks (no per-batch callback, which would add a
+host sync); the first timed epoch is warm-up. Reported: median step time over
+all timed epochs of all repeats, examples/s (global batch / step time), the
+ratio to the same system's 1x1 step time (its distribution overhead: 1.00x means
+none; on one 2-core host more replicas share the same cores, so this is not
+a speed-up), and keras-dist's step time over each system's on the same topology.
+Every system gets the same thread pools (`--threads-per-worker`, applied by the
+launcher to keras-dist and by the worker script to the others).
+
+    python benchmarks/suite.py [--workloads mlp,cnn] [--topologies 1x1,1x2,2x1,2x2]
+        [--systems keras_dist,keras,keras_loop,tf_keras,jax] [--steps 8] [--epochs 2]
+        [--repeats 2] [--json out.json]
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_suite_worker.py")
+SYSTEMS = ("keras_dist", "keras", "keras_loop", "tf_keras", "jax", "keras_dist_tf_threads")
+WORKLOADS = ("mlp", "cnn", "digits", "sequence")
+KERAS3_FIT_MULTI_WORKER = (
+    "Keras 3.15 fit fails under MultiWorkerMirroredStrategy (ValueError: a PerReplica batch in "
+    "_maybe_symbolic_build); see keras_loop"
+)
+
+
+def parse_topology(text):
+    """Returns (workers, replicas per worker, gpu) for `1x2` or `gpu`."""
+    if text == "gpu":
+        return 1, 1, True
+    workers, _, replicas = text.partition("x")
+    return int(workers), int(replicas), False
+
+
+def unsupported(system, topology):
+    """Returns why `system` cannot run on `topology` (without trying), or None."""
+    workers, replicas, gpu = parse_topology(topology)
+    if system == "tf_keras" and importlib.util.find_spec("tf_keras") is None:
+        return "not installed (pip install tf-keras)"
+    if system == "jax" and importlib.util.find_spec("jax") is None:
+        return "not installed (pip install jax)"
+    if system == "jax" and (workers > 1 or gpu):
+        return "not measured: multi-process JAX (jax.distributed) is not set up by this suite"
+    if system == "keras_dist_tf_threads" and workers == 1:
+        return "same as keras_dist on one worker"
+    if system in ("keras", "keras_loop", "tf_keras") and workers > 1 and replicas > 1:
+        return "n/a: TensorFlow's MultiWorkerMirroredStrategy uses one CPU device per worker"
+    return None
+
+
+def command_for(system, topology, workload, args, out):
+    """Returns the command line that measures `system` on `topology` and writes JSON to `out`."""
+    workers, replicas, gpu = parse_topology(topology)
+    worker_system = "keras_dist" if system == "keras_dist_tf_threads" else system
+    script = [WORKER, "--system", worker_system, "--workload", workload, "--steps", str(args.steps),
+              "--epochs", str(args.epochs + 1), "--global-batch-size", str(args.global_batch_size), "--out", out]
+    if gpu:
+        script.append("--gpu")
+    if workers == 1:
+        return [sys.executable, *script, "--replicas", str(replicas)]
+    threads = 0 if system == "keras_dist_tf_threads" else args.threads_per_worker
+    launch = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", str(workers)]
+    if replicas > 1:
+        launch += ["--cpu-replicas", str(replicas)]
+    if threads is not None:
+        launch += ["--threads-per-worker", str(threads)]
+    return launch + script
+
+
+def measure(system, topology, workload, args, tmp):
+    """Runs one measurement; returns its JSON dict, or {"error": last error line}."""
+    out = os.path.join(tmp, f"{workload}-{topology}-{system}.json")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1", "SUITE_STARTED_AT": repr(time.time())}
+    for name in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS", "KERAS_BACKEND", "XLA_FLAGS"):
+        env.pop(name, None)
+    command = command_for(system, topology, workload, args, out)
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    if proc.returncode != 0 or not os.path.exists(out):
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
+        return {"error": (lines[-1] if lines else f"exit status {proc.returncode}")[-300:]}
+    with open(out) as f:
+        result = json.load(f)
+    os.remove(out)
+    return result
+
+
+def summarize(runs, global_batch_size):
+    """Pools the timed epochs of all repeats: median step time, spread of the repeats' medians, startup."""
+    steps = [s for run in runs for s in run["step_seconds"]]
+    medians = [statistics.median(run["step_seconds"]) for run in runs]
+    median = statistics.median(steps)
+    return {
+        "median_step_seconds": median,
+        "examples_per_second": global_batch_size / median,
+        "spread": (max(medians) - min(medians)) / median if len(medians) > 1 else 0.0,
+        "startup_seconds": statistics.median(run["startup_seconds"] for run in runs),
+        "num_replicas_in_sync": runs[0]["num_replicas_in_sync"],
+        "repeat_medians": medians,
+    }
+
+
+def run_suite(args):
+    """Measures every (workload, topology, system), interleaved; returns the result rows."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload in args.workloads:
+            for repeat in range(args.repeats):
+                for topology in args.topologies:
+                    for system in args.systems:
+                        row = rows.setdefault((workload, topology, system), {"runs": [], "note": None})
+                        row["note"] = row["note"] or unsupported(system, topology)
+                        if row["note"] is not None:
+                            continue
+                        result = measure(system, topology, workload, args, tmp)
+                        if "error" in result:
+                            row["note"] = _explain(system, topology, result["error"])  # Not retried.
+                            continue
+                        row["runs"].append(result)
+                        print(f"  {workload:<9}{topology:<5}{system:<22} repeat {repeat + 1}: "
+                              f"{statistics.median(result['step_seconds']) * 1e3:8.2f} ms/step, "
+                              f"startup {result['startup_seconds']:.1f} s", flush=True)
+    return _rows_with_ratios(rows, args)
+
+
+def _explain(system, topology, error):
+    if system == "keras" and parse_topology(topology)[0] > 1 and "PerReplica" in error:
+        return KERAS3_FIT_MULTI_WORKER
+    return f"failed: {error}"
+
+
+def _rows_with_ratios(rows, args):
+    results = []
+    for (workload, topology, system), row in rows.items():
+        entry = {"workload": workload, "topology": topology, "system": system, "note": row["note"]}
+        if row["runs"]:
+            entry.update(summarize(row["runs"], args.global_batch_size))
+            entry["step_seconds"] = [run["step_seconds"] for run in row["runs"]]
+        results.append(entry)
+    index = {(r["workload"], r["topology"], r["system"]): r for r in results}
+    for r in results:
+        if "median_step_seconds" not in r:
+            continue
+        own_single = index.get((r["workload"], "1x1", "keras_dist" if r["system"] == "keras_dist_tf_threads" else r["system"]))
+        if own_single and "median_step_seconds" in own_single:
+            r["vs_own_1x1"] = r["median_step_seconds"] / own_single["median_step_seconds"]
+        ours = index.get((r["workload"], r["topology"], "keras_dist"))
+        if ours and "median_step_seconds" in ours and r["system"] != "keras_dist":
+            r["keras_dist_over_system"] = ours["median_step_seconds"] / r["median_step_seconds"]
+            if "startup_seconds" in ours:
+                r["keras_dist_startup_over_system"] = ours["startup_seconds"] / r["startup_seconds"]
+    return results
+
+
+def print_table(results, args):
+    """Prints one table per workload."""
+    for workload in args.workloads:
+        print(f"\n{workload}: global batch {args.global_batch_size}, {args.steps} steps x {args.epochs} timed epochs "
+              f"x {args.repeats} repeats (median step time; spread = range of the repeats' medians / median)")
+        print(f"{'topology':<9}{'system':<23}{'ms/step':>9}{'examples/s':>12}{'spread':>8}{'vs own 1x1':>12}"
+              f"{'kd / this':>11}{'startup s':>11}{'kd startup / this':>19}")
+        for r in results:
+            if r["workload"] != workload:
+                continue
+            if "median_step_seconds" not in r:
+                print(f"{r['topology']:<9}{r['system']:<23}  {r['note']}")
+                continue
+            ratio = lambda key: f"{r[key]:.2f}x" if key in r else "-"  # noqa: E731
+            print(f"{r['topology']:<9}{r['system']:<23}{r['median_step_seconds'] * 1e3:>9.2f}"
+                  f"{r['examples_per_second']:>12,.0f}{r['spread'] * 100:>7.0f}%{ratio('vs_own_1x1'):>12}"
+                  f"{ratio('keras_dist_over_system'):>11}{r['startup_seconds']:>11.1f}"
+                  f"{ratio('keras_dist_startup_over_system'):>19}")
+
+
+def _gpus_present():
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return bool(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _csv(choices):
+    def parse(text):
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if choices and v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"expected some of {', '.join(choices)}; received {', '.join(bad)}")
+        return values
+    return parse
+
+
+def _check_topologies(topologies):
+    for text in topologies:
+        try:
+            workers, replicas, _ = parse_topology(text)
+            assert workers >= 1 and replicas >= 1
+        except (ValueError, AssertionError):
+            raise SystemExit(f"--topologies: expected <workers>x<replicas> such as 1x2, or gpu; received {text!r}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", type=_csv(WORKLOADS), default=["mlp", "cnn"])
+    parser.add_argument("--topologies", type=_csv(None), default=None,
+                        help="default 1x1,1x2,2x1,2x2 (and gpu when GPUs are present)")
+    parser.add_argument("--systems", type=_csv(SYSTEMS), default=["keras_dist", "keras", "keras_loop", "tf_keras", "jax"])
+    parser.add_argument("--steps", type=int, default=8, help="steps per timed epoch")
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per process (after 1 warm-up epoch)")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds over all systems")
+    parser.add_argument("--global-batch-size", type=int, default=256)
+    parser.add_argument("--threads-per-worker", type=int, default=None,
+                        help="passed to keras-dist launch for every system (default: the launcher's default)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per measurement")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    if args.topologies is None:
+        args.topologies = ["1x1", "1x2", "2x1", "2x2"] + (["gpu"] if _gpus_present() else [])
+    _check_topologies(args.topologies)
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    print(f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} at start", flush=True)
+    results = run_suite(args)
+    elapsed = time.perf_counter() - started
+    print_table(results, args)
+    load_after = os.getloadavg()
+    print(f"\nsuite took {elapsed:.0f} s; load average {load_before[0]:.2f} at start, {load_after[0]:.2f} at end")
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        machine = {"cpu_count": os.cpu_count(), "load_average_start": load_before, "load_average_end": load_after}
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "machine": machine, "elapsed_seconds": elapsed, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
