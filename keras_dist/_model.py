@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras_dist import _compat, collectives, errors
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import layers as runtime_layers
-from keras_dist._runtime import steps, variables
+from keras_dist._runtime import build_context, steps, variables
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _coordination as callbacks_coordination
 from keras_dist.callbacks import _resume as callbacks_resume
@@ -542,14 +542,24 @@ class DistributedModel(keras.Model):
         return self.predict(x, batch_size=max(batch_size, 1), verbose=0)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        self._distribute_state()  # Layers built after compile (outside the scope) move before the optimizer builds.
         if not _compat.is_active("symbolic_build_from_spec"):
             steps.maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
         else:
             if iterator is not None:
                 data_batch = ki.dataset_element_spec(iterator)
-            with self._distribute_strategy.scope():
-                steps.symbolic_build_from_spec(self, data_batch)
+            with self._build_context():
+                steps.symbolic_build_from_spec(
+                    self, data_batch, composite_inputs=_compat.is_active("ragged_symbolic_build")
+                )
         self._distribute_state()
+
+    def _build_context(self):
+        """The strategy's scope, in a replica context for layers that call collectives (`build_in_replica_context`)."""
+        strategy = self._distribute_strategy
+        if _compat.is_active("build_in_replica_context"):
+            return build_context.symbolic_replica_context(strategy)
+        return strategy.scope()
 
 
 def _asks_before_overwriting(filepath, args, kwargs):

@@ -73,6 +73,31 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="build_in_replica_context",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (_maybe_symbolic_build under strategy.scope(); no upstream report found)",
+            symptom="fit/evaluate/predict build the model by tracing call under strategy.scope() (cross-replica "
+            "context), so a layer that calls a collective in call (tf.distribute.get_replica_context().all_reduce, "
+            "a cross-replica statistic) fails before training: 'Unable to automatically build the model' "
+            "('NoneType' object has no attribute 'all_reduce').",
+            remedy="The symbolic build traces call in a replica context of the model's strategy (replica 0) whose "
+            "collectives only keep shapes; the steps then run the real collectives inside strategy.run.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="ragged_symbolic_build",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/trainers/trainer.py (_symbolic_build: to_symbolic_input makes every spec a dense KerasTensor; no upstream report found)",
+            symptom="Under a strategy, fit/evaluate/predict on ragged batches (ragged_batch) build the model by "
+            "calling it on a dense placeholder, so a call that handles the tf.RaggedTensor it will get "
+            "(x.to_tensor(), x.row_lengths()) fails: 'Unable to automatically build the model'.",
+            remedy="When the inputs have ragged or sparse parts, call is traced on placeholders of that type; "
+            "metric, loss and optimizer state are built as Keras builds them.",
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="cross_replica_metrics",
             package="keras",
             affected=">=3.0",
@@ -168,7 +193,8 @@ FIXES = {
             "computes the moments of an empty batch (NaN), and the moving statistics, gamma and beta "
             "become NaN for good.",
             remedy="On an empty batch each BatchNormalization layer of the model uses its moving "
-            "statistics as the batch moments, so that replica leaves them unchanged.",
+            "statistics as the batch moments, so that replica leaves them unchanged (a synchronized=True "
+            "layer needs no guard: its moments are the global batch's).",
             remove_when=_OPEN,
         ),
         Fix(

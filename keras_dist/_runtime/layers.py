@@ -20,9 +20,11 @@ def guard_empty_batch_moments(layer):
         layer: A `keras.layers.BatchNormalization`.
 
     Returns:
-        Boolean, whether the layer was changed now (False if already guarded).
+        Boolean, whether the layer was changed now (False if already guarded,
+        or `synchronized=True`: its moments are the global batch's).
     """
-    if getattr(layer, _GUARDED, False):
+    if getattr(layer, _GUARDED, False) or layer.synchronized:
+        # A synchronized layer's moments are those of the global batch, empty only when the global batch is.
         return False
     moments = layer._moments
 

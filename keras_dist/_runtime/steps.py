@@ -14,6 +14,7 @@ from keras import tree
 
 from tensorflow.python.distribute.values import PerReplicaSpec
 
+from keras_dist._runtime import build_context
 from keras_dist._runtime import keras_internals as ki
 
 
@@ -157,14 +158,19 @@ def _with_replica_axis(value):
     return value
 
 
-def symbolic_build_from_spec(model, element_spec):
+def symbolic_build_from_spec(model, element_spec, *, composite_inputs=False):
     """Builds model, metric and optimizer state from a batch's element spec.
 
     Args:
         model: The `keras.Model`.
-        element_spec: Nested `tf.TensorSpec` structure of one global batch.
+        element_spec: Nested `tf.TypeSpec` structure of one global batch.
+        composite_inputs: Boolean, trace `call` on ragged/sparse placeholders where
+            the inputs are ragged/sparse (`build_context.build_from_composite_spec`)
+            instead of Keras' dense ones.
     """
     spec = tf.nest.map_structure(_one_replica_spec, element_spec, expand_composites=False)
+    if composite_inputs and build_context.has_composite_inputs(spec):
+        return build_context.build_from_composite_spec(model, spec)
     model._symbolic_build(data_batch=spec)
 
 

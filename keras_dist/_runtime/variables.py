@@ -44,8 +44,11 @@ def _belongs_to(tf_variable, strategy):
     owner = getattr(tf_variable, "_distribute_strategy", None)
     if is_multi_replica(strategy):
         return isinstance(tf_variable, tf.distribute.DistributedValues) and owner is strategy
-    # Single-device strategies: a plain variable is fine unless another strategy mirrors it.
-    return not isinstance(tf_variable, tf.distribute.DistributedValues)
+    if isinstance(tf_variable, tf.distribute.DistributedValues):
+        return False
+    # OneDeviceStrategy places its variables on its device and refuses others as slot colocations;
+    # under the default strategy any plain variable is fine.
+    return owner is strategy or not isinstance(strategy, tf.distribute.OneDeviceStrategy)
 
 
 def _needs_rehome(variable, strategy):

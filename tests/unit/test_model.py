@@ -196,15 +196,6 @@ def test_super_train_step_in_subclass_keeps_fixes(mirrored_1x2_cpu):
     assert max_weight_difference(reference, model) < 1e-5
 
 
-def test_jit_compile_true_refused_under_multi_replica(mirrored_1x2_cpu):
-    inputs = keras.Input((4,))
-    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
-    with pytest.raises(ValueError, match="jit_compile=True` is not supported under a multi-replica strategy"):
-        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    model.compile(optimizer="sgd", loss="mse", jit_compile="auto")
-    assert model.jit_compile is False
-
-
 def test_distribute_rejects_non_models_and_custom_steps():
     with pytest.raises(TypeError, match="expects a `keras.Model`. Received: model of type Dense"):
         keras_dist.distribute(keras.layers.Dense(1))
