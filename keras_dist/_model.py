@@ -445,6 +445,13 @@ class DistributedModel(keras.Model):
             data,
             replica_loss_weight=self._replica_loss_weight,
             forward_backward=self.__dict__.get("_keras_dist_forward_backward"),
+            weighting_by_examples=(
+                collectives_optimizer.weighting_by_examples
+                if self._distribute_strategy.num_replicas_in_sync > 1
+                and _compat.is_active("example_weighted_loss")
+                and collectives_optimizer.weighs_examples_in_all_reduce(getattr(self, "optimizer", None))
+                else None
+            ),
         )
 
     def _replica_loss_weight(self, num_examples):
@@ -472,7 +479,27 @@ class DistributedModel(keras.Model):
             or not _compat.is_active("cross_replica_metrics")
         ):
             return super().get_metrics_result()
-        return context.merge_call(lambda _: super(DistributedModel, self).get_metrics_result())
+        return context.merge_call(self._metrics_result_from_summed_state)
+
+    def _metrics_result_from_summed_state(self, strategy):
+        """Metric results from state summed over all replicas, in one all-reduce (cross-replica context).
+
+        Reading each sync-on-read metric variable would sum it with its own
+        all-reduce (two per `Mean` metric, one collective each per step under
+        several workers); `batch_reduce_to` sums them all in one packed
+        collective, and Keras computes the results from those sums.
+        """
+        summed = [
+            v for metric in self.metrics for v in metric.variables
+            if isinstance(v.value, tf.distribute.DistributedValues) and v.value.aggregation == tf.VariableAggregation.SUM
+        ]
+        if not summed:
+            return super().get_metrics_result()
+        reduced = strategy.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM, [(v.value, v.value) for v in summed], options=self.communication.to_tensorflow()
+        )
+        with keras.StatelessScope(state_mapping=[(v, strategy.experimental_local_results(r)[0]) for v, r in zip(summed, reduced)]):
+            return super().get_metrics_result()
 
     def _reduce_in_replica_context(self, outputs):
         """Applies `distribute_reduction_method` so every replica returns the reduced value."""
@@ -491,6 +518,15 @@ class DistributedModel(keras.Model):
             return context.all_reduce("MEAN" if method == "mean" else "SUM", value)
 
         return tf.nest.map_structure(reduce, outputs)
+
+    def _returns_synchronized_outputs(self, step_name):
+        """Whether `step_name` returns the same values on every replica: keras-dist's or Keras' own step, metrics summed over replicas.
+
+        An overriding step may return per-replica values (e.g. a loss tensor);
+        those keep Keras' mean over the replicas.
+        """
+        own = {"train_step": DistributedModel.train_step, "test_step": keras.Model.test_step}[step_name]
+        return getattr(type(self), step_name) is own and _compat.is_active("cross_replica_metrics")
 
     def _needs_replica_axis(self):
         return _compat.is_active("multi_worker_output_reduction") and variables.is_multi_worker(
@@ -511,6 +547,7 @@ class DistributedModel(keras.Model):
                 self,
                 lambda data: self._reduce_in_replica_context(self.train_step(data)),
                 add_replica_axis=self._needs_replica_axis(),
+                synchronized_outputs=self._returns_synchronized_outputs("train_step"),
             )
         return self.train_function
 
@@ -521,6 +558,7 @@ class DistributedModel(keras.Model):
                 self,
                 lambda data: self._reduce_in_replica_context(self.test_step(data)),
                 add_replica_axis=self._needs_replica_axis(),
+                synchronized_outputs=self._returns_synchronized_outputs("test_step"),
             )
         return self.test_function
 

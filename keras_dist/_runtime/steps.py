@@ -5,6 +5,7 @@ and build hook. They use Keras' private trainer attributes, which is why they
 live in `_runtime`.
 """
 
+import contextlib
 import functools
 import warnings
 
@@ -18,7 +19,7 @@ from keras_dist._runtime import build_context
 from keras_dist._runtime import keras_internals as ki
 
 
-def train_step(model, data, *, replica_loss_weight, forward_backward=None):
+def train_step(model, data, *, replica_loss_weight, forward_backward=None, weighting_by_examples=None):
     """Runs Keras' TensorFlow `train_step` with a per-replica loss weight.
 
     Identical to `keras.Model.train_step` on the TensorFlow backend (3.15), except
@@ -33,39 +34,86 @@ def train_step(model, data, *, replica_loss_weight, forward_backward=None):
             scalar tensor) and returning a float scalar multiplier.
         forward_backward: `None` (the pass runs in the step's own graph) or
             what `compiled_forward_backward(model)` returned.
+        weighting_by_examples: `None`, or a context manager factory taking
+            the example count (`keras_dist.collectives._optimizer.
+            weighting_by_examples`): the optimizer then weights this
+            replica's gradients in the gradient all-reduce itself, and
+            `replica_loss_weight` (a collective of its own) is not called.
 
     Returns:
         Dict of metric results, as `model.compute_metrics` returns them.
 
     Distributed behavior:
-        Runs in replica context. `replica_loss_weight` may be a collective; every
-        replica calls it once per step, before the forward pass (so that a
-        compiled forward and backward pass holds no collective).
+        Runs in replica context. `replica_loss_weight` may be a collective;
+        every replica calls it once per step (before a compiled forward and
+        backward pass, which cannot hold a collective), unless the example
+        counts travel in the gradient all-reduce (`weighting_by_examples`),
+        which is not done when `call` itself runs a collective.
     """
     x, y, sample_weight = ki.unpack_x_y_sample_weight(data)
     num_examples = batch_size_of(x)
-    loss_weight = replica_loss_weight(num_examples)
-    y_pred, loss, gradients = (forward_backward or functools.partial(_forward_backward, model))(
-        x, y, sample_weight, loss_weight
-    )
+    in_all_reduce = weighting_by_examples is not None
+    if forward_backward is not None:  # Compiled: `call` cannot hold a collective there.
+        loss_weight = tf.constant(1.0) if in_all_reduce else replica_loss_weight(num_examples)
+        y_pred, loss, gradients = forward_backward(x, y, sample_weight, loss_weight)
+    else:
+
+        def loss_weight(collectives_in_call):
+            # A collective in `call` (synchronized BatchNormalization, a cross-replica statistic) sends
+            # the gradient of every replica's loss back through it: weight the losses themselves then.
+            nonlocal in_all_reduce
+            in_all_reduce = in_all_reduce and not collectives_in_call
+            return tf.constant(1.0) if in_all_reduce else replica_loss_weight(num_examples)
+
+        y_pred, loss, gradients = _forward_backward(model, x, y, sample_weight, loss_weight)
     model._loss_tracker.update_state(ki.unscale_loss_for_distribution(loss), sample_weight=num_examples)
     if gradients is not None:
-        model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+        with weighting_by_examples(num_examples) if in_all_reduce else contextlib.nullcontext():
+            model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
     else:
         warnings.warn("The model does not have any trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
+@contextlib.contextmanager
+def _observing_collectives():
+    """Yields a list that records each collective this replica's `call` starts (its replica context's methods)."""
+    context = tf.distribute.get_replica_context()
+    calls = []
+    if context is None or tf.distribute.in_cross_replica_context():
+        yield calls
+        return
+    names = [n for n in ("all_reduce", "all_gather", "merge_call") if n not in context.__dict__]
+    for name in names:
+        original = getattr(context, name)
+
+        def recording(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        context.__dict__[name] = recording  # This context object only, for the forward pass.
+    try:
+        yield calls
+    finally:
+        for name in names:
+            del context.__dict__[name]
+
+
 def _forward_backward(model, x, y, sample_weight, loss_weight):
-    """Returns `(y_pred, loss, gradients)`: one replica's forward and backward pass (no collective).
+    """Returns `(y_pred, loss, gradients)`: one replica's forward and backward pass.
 
     `loss` is the replica's loss before `loss_weight` and loss scaling;
     `gradients` (one per `model.trainable_weights`, or `None` when there are
-    none) are of the weighted, scaled loss.
+    none) are of the weighted, scaled loss. `loss_weight` is a float scalar
+    tensor, or a callable taking whether the forward pass ran a collective
+    (boolean, known when traced) and returning it.
     """
     with tf.GradientTape() as tape:
-        y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        with _observing_collectives() as collectives:
+            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        if callable(loss_weight):
+            loss_weight = loss_weight(bool(collectives))
         weighted = loss * tf.cast(loss_weight, loss.dtype)
         if model.optimizer is not None:
             weighted = model.optimizer.scale_loss(weighted)
@@ -128,12 +176,12 @@ def batch_size_of(x):
     return tf.shape(next(leaf for leaf in tree.flatten(x) if leaf is not None))[0]
 
 
-def make_step_function(model, replica_step, *, add_replica_axis=False):
+def make_step_function(model, replica_step, *, add_replica_axis=False, synchronized_outputs=False):
     """Builds the function `fit`/`evaluate` call per execution, from a replica step.
 
     Uses Keras' own factory (`TensorFlowTrainer._make_function`): the
     `steps_per_execution` loop, `tf.function` compilation and output reduction
-    stay Keras'.
+    stay Keras', except under several workers with `synchronized_outputs`.
 
     Args:
         model: The `keras.Model`.
@@ -142,7 +190,16 @@ def make_step_function(model, replica_step, *, add_replica_axis=False):
         add_replica_axis: Boolean. Under `MultiWorkerMirroredStrategy` Keras
             reduces each output with `strategy.reduce("MEAN", value, axis=0)`;
             a leading axis of size 1 makes that the mean over replicas.
+        synchronized_outputs: Boolean, `replica_step` returns the same values
+            on every replica of every worker (keras-dist's own steps: metric
+            results from state summed over all replicas). With
+            `add_replica_axis` and `steps_per_execution == 1` (always the case
+            under several workers), the outputs are then taken from this
+            worker's first replica: Keras' reduction would cost two
+            collectives per output per step, for the values already there.
     """
+    if add_replica_axis and synchronized_outputs and model.steps_per_execution == 1:
+        return _first_replica_step_function(model, replica_step)
     if add_replica_axis:
         step = replica_step
 
@@ -150,6 +207,38 @@ def make_step_function(model, replica_step, *, add_replica_axis=False):
             return tree.map_structure(_with_replica_axis, step(data))
 
     return ki.TensorFlowTrainer._make_function(model, replica_step)
+
+
+def _first_replica_step_function(model, replica_step):
+    """Keras' `_make_function` for `steps_per_execution == 1` (3.15), with the outputs of the first local replica."""
+    strategy = model.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(replica_step, args=(data,))
+        return tree.map_structure(lambda value: strategy.experimental_local_results(value)[0], outputs)
+
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
+    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_iterator(iterator):
+        return tf.experimental.Optional.from_value(one_step_on_data(iterator.get_next()))
+
+    if not model.run_eagerly:
+        one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            optional_outputs = one_step_on_iterator(iterator)
+            if not optional_outputs.has_value():
+                raise StopIteration
+            return optional_outputs.get_value()
+        for data in iterator:  # Keras' `zip(range(steps_per_execution), iterator)` with 1 step.
+            return one_step_on_data(data)
+
+    return function
 
 
 def _with_replica_axis(value):

@@ -52,7 +52,7 @@ def assert_same_gradient_kinds(summed_kinds, num_replicas, names):
     )
 
 
-def all_reduce_gradients(gradients, options, *, names=None):
+def all_reduce_gradients(gradients, options, *, names=None, num_examples=None):
     """Sums `gradients` over all replicas, with `options`' packing, timeout and compression.
 
     Args:
@@ -65,6 +65,12 @@ def all_reduce_gradients(gradients, options, *, names=None):
             first check that they agree on which gradients are `None`, dense
             or sparse (one all-reduce of `2 * len(gradients)` floats), and all
             fail with those names if not (see `assert_same_gradient_kinds`).
+        num_examples: Optional int32 scalar tensor, this replica's examples.
+            When given, each replica's gradients count by its share of the
+            examples: the replicas send `num_examples x gradient` and
+            `num_examples` in the same all-reduce, and the sums are scaled
+            by `num_replicas_in_sync / total examples`. Not with compression
+            (a scaled gradient could overflow float16).
 
     Returns:
         List of the summed gradients, in the same order and dtypes.
@@ -90,13 +96,31 @@ def all_reduce_gradients(gradients, options, *, names=None):
         checks = [assert_same_gradient_kinds(summed_kinds, context.num_replicas_in_sync, names)]
     if not present:
         return list(gradients)
+    to_send = [gradients[i] for i in present]
+    if num_examples is not None:
+        count = tf.cast(num_examples, tf.float32)
+        to_send = [_scaled(g, count) for g in to_send]
     with tf.control_dependencies(checks):
-        values = [_after_checks(v) for v in compress([gradients[i] for i in present], options)]
+        values = [_after_checks(v) for v in compress(to_send, options)]
+        if num_examples is not None:
+            values.append(tf.reshape(count, [1]))  # Summed with the gradients, in the same collective.
     reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, values, options=options.to_tensorflow())
+    if num_examples is not None:
+        total = reduced.pop()[0]
+        factor = tf.math.divide_no_nan(float(context.num_replicas_in_sync), total)
     result = list(gradients)
     for i, value in zip(present, reduced):
         result[i] = decompress(value, gradients[i].dtype)
+        if num_examples is not None:
+            result[i] = _scaled(result[i], factor)
     return result
+
+
+def _scaled(gradient, factor):
+    """`gradient` (a tensor or `tf.IndexedSlices`) times the float32 scalar `factor`, in the gradient's dtype."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(factor, gradient.values.dtype), gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
 
 
 def _after_checks(value):

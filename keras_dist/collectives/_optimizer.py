@@ -1,6 +1,7 @@
 """`distributed_optimizer`: a Keras optimizer that sums gradients over replicas before it applies them."""
 
 import contextlib
+import threading
 import types
 
 import tensorflow as tf
@@ -15,6 +16,7 @@ from keras_dist.collectives._options import CommunicationOptions
 _OPTIONS = "_keras_dist_communication"
 _SUMS = "_keras_dist_gradient_sums"
 _SUMS_VARIABLES = "_keras_dist_gradient_sums_variables"
+_EXAMPLE_COUNT = threading.local()  # Per replica thread (MirroredStrategy runs each replica in its own).
 
 
 def distributed_optimizer(optimizer, communication=None):
@@ -126,6 +128,43 @@ def accumulation_loaded_with_weights(optimizer, strategy):
         accumulation.take_sums_from_keras_accumulators(optimizer, variables, sums, strategy)
 
 
+def weighs_examples_in_all_reduce(optimizer):
+    """Whether `optimizer.apply` can weight each replica's gradients by its example count in the gradient all-reduce.
+
+    True for a `distributed_optimizer` that sums every step (no gradient
+    accumulation, no compression). Then `train_step` need not all-reduce the
+    example counts before the forward pass: inside `weighting_by_examples`,
+    the counts travel in the gradients' own all-reduce.
+    """
+    apply = optimizer.__dict__.get("apply") if optimizer is not None else None
+    return (
+        isinstance(apply, types.MethodType)
+        and apply.__func__ is _apply_summed
+        and _compat.is_active("sum_gradients_before_apply")
+        and not accumulation.accumulates_anywhere(optimizer)
+        and optimizer.__dict__[_OPTIONS].compression is None
+    )
+
+
+@contextlib.contextmanager
+def weighting_by_examples(num_examples):
+    """Within it, this replica's `apply` weights its gradients by `num_examples` (int32 scalar tensor).
+
+    Each replica sends `num_examples x gradient` and `num_examples` in one
+    all-reduce and the sum is scaled by `num_replicas_in_sync / total
+    examples`: the gradient of the global batch's mean loss when each
+    replica's loss is Keras' `mean / num_replicas_in_sync`, as
+    `DistributedModel._replica_loss_weight` gives it with a separate
+    all-reduce. Only for an optimizer `weighs_examples_in_all_reduce` accepts.
+    """
+    previous = getattr(_EXAMPLE_COUNT, "value", None)
+    _EXAMPLE_COUNT.value = num_examples
+    try:
+        yield
+    finally:
+        _EXAMPLE_COUNT.value = previous
+
+
 def _apply_summed(optimizer, grads, trainable_variables=None):
     """The `apply` `distributed_optimizer` installs (bound to the optimizer instance)."""
     keras_apply = type(optimizer).apply
@@ -159,7 +198,8 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
                 check_input=None if names is None else _all_reduce.gradient_kinds(grads),
             )
             return
-        grads = _all_reduce.all_reduce_gradients(grads, options, names=names)
+        num_examples = getattr(_EXAMPLE_COUNT, "value", None) if not accumulating else None
+        grads = _all_reduce.all_reduce_gradients(grads, options, names=names, num_examples=num_examples)
         if accumulating:
             ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
         else:

@@ -30,6 +30,22 @@ class DieAtBatch(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def collectives_per_step(function):
+    """Counts the collective ops (`Collective*`, all replicas of this worker) in each traced one-step graph."""
+    from keras_dist.callbacks._monitors import _tf_functions_in
+
+    def count(graph):
+        own = sum(op.type.startswith("Collective") for op in graph.get_operations())
+        return own + sum(count(f.graph) for f in graph._functions.values() if hasattr(f, "graph"))
+
+    return sorted(
+        count(concrete.graph)
+        for f in _tf_functions_in(function)
+        if "one_step_on_data" in getattr(f, "__name__", "")
+        for concrete in f._list_all_concrete_functions()
+    )
+
+
 def main(argv):
     import mw_workload
 
@@ -52,6 +68,7 @@ def main(argv):
         return
     results = mw_workload.run(model)
     results["num_replicas_in_sync"] = model.distribute_strategy.num_replicas_in_sync
+    results["collectives_per_train_step"] = collectives_per_step(model.train_function)
     results["is_chief"] = keras_dist.is_chief()
     with open(os.path.join(out_dir, f"{info.task_type}-{info.task_id}.json"), "w") as f:
         json.dump(results, f)

@@ -68,6 +68,9 @@ def test_two_workers_match_single_device(tmp_path, single_device_results, cpu_re
     assert outputs[0]["history"]["val_count"] == [13.0, 13.0]
     assert outputs[0]["evaluate"]["count"] == 13.0
     assert len(outputs[0]["predictions"]) == 11
+    # Per replica and step: gradient kinds, gradients with example counts, metric state (14 before
+    # the outputs were taken from the first replica and the counts and metric sums batched).
+    assert outputs[0]["collectives_per_train_step"] == [3 * cpu_replicas]
     for got in outputs:
         _assert_matches(single_device_results, got)
 
