@@ -237,6 +237,8 @@ class DistributedModel(keras.Model):
         with strategy.scope():
             super().compile(*args, **kwargs)
         self.__dict__["_keras_dist_replica_jit_compile"] = replica_jit_compile
+        if replica_jit_compile:  # Saved with the model, so that a loaded one compiles each replica's pass again.
+            self._compile_config.config["jit_compile"] = True
         if self.optimizer is not None:
             collectives_optimizer.distributed_optimizer(self.optimizer, self.communication)
         self._distribute_state()

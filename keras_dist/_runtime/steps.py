@@ -76,8 +76,11 @@ def train_step(model, data, *, replica_loss_weight, forward_backward=None, weigh
 
 
 @contextlib.contextmanager
-def _observing_collectives():
-    """Yields a list that records each collective this replica's `call` starts (its replica context's methods)."""
+def _observing_collectives(refusal=None):
+    """Yields a list that records each collective this replica's `call` starts (its replica context's methods).
+
+    With `refusal` (a message), the first collective raises `ValueError(refusal)` instead.
+    """
     context = tf.distribute.get_replica_context()
     calls = []
     if context is None or tf.distribute.in_cross_replica_context():
@@ -88,6 +91,8 @@ def _observing_collectives():
         original = getattr(context, name)
 
         def recording(*args, _name=name, _original=original, **kwargs):
+            if refusal is not None:
+                raise ValueError(refusal)
             calls.append(_name)
             return _original(*args, **kwargs)
 
@@ -99,17 +104,20 @@ def _observing_collectives():
             del context.__dict__[name]
 
 
-def _forward_backward(model, x, y, sample_weight, loss_weight):
+def _forward_backward(model, x, y, sample_weight, loss_weight, *, scope=None, collective_refusal=None):
     """Returns `(y_pred, loss, gradients)`: one replica's forward and backward pass.
 
     `loss` is the replica's loss before `loss_weight` and loss scaling;
     `gradients` (one per `model.trainable_weights`, or `None` when there are
     none) are of the weighted, scaled loss. `loss_weight` is a float scalar
     tensor, or a callable taking whether the forward pass ran a collective
-    (boolean, known when traced) and returning it.
+    (boolean, known when traced) and returning it. `scope`: optional callable
+    returning a context manager entered inside the tape around the forward
+    pass and the loss; `collective_refusal`: a message, raised as
+    `ValueError` if `call` starts a collective.
     """
     with tf.GradientTape() as tape:
-        with _observing_collectives() as collectives:
+        with (scope or contextlib.nullcontext)(), _observing_collectives(collective_refusal) as collectives:
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
         if callable(loss_weight):
@@ -122,6 +130,23 @@ def _forward_backward(model, x, y, sample_weight, loss_weight):
     return y_pred, loss, gradients
 
 
+class _StateCollectingScope(keras.StatelessScope):
+    """A `keras.StatelessScope` that also notes which variables were read after this scope assigned them."""
+
+    def __init__(self, state_mapping):
+        super().__init__(state_mapping=state_mapping, collect_losses=True)
+        self.assigned, self.read_after_assign, self.watching = set(), {}, True
+
+    def add_update(self, update):
+        self.assigned.add(id(update[0]))
+        super().add_update(update)
+
+    def get_current_value(self, variable):
+        if self.watching and id(variable) in self.assigned:
+            self.read_after_assign[id(variable)] = variable
+        return super().get_current_value(variable)
+
+
 def compiled_forward_backward(model):
     """Returns one replica's forward and backward pass compiled with XLA, for `train_step`.
 
@@ -131,34 +156,65 @@ def compiled_forward_backward(model):
     runs in the step's ordinary graph, as in tf.keras 2: the gradient
     all-reduce and the optimizer update, the metrics, and the layers' own
     state updates (BatchNormalization's moving statistics, seed generator
-    states): `call` runs under a `keras.StatelessScope` inside XLA and the new
-    values are assigned after it, where an assignment to a mirrored variable
-    may synchronize the replicas as it does without XLA. Build a new one
-    whenever the train function is rebuilt: the trainable weights are read
-    when it is traced.
+    states, the loss trackers): `call` runs under a `keras.StatelessScope`
+    inside XLA and the new values are assigned after it, where an assignment
+    to a mirrored variable may synchronize the replicas as it does without
+    XLA. Build a new one whenever the train function is rebuilt: the
+    trainable weights are read when it is traced.
 
     Returns:
         A callable taking `(x, y, sample_weight, loss_weight)` and returning
         `(y_pred, loss, gradients)`, as `_forward_backward` does.
 
     Raises:
-        ValueError: When traced, if `call` assigns a variable the model does
-            not track (its new value would have nowhere to go).
+        ValueError: When traced: `call` runs a collective (XLA cannot hold
+            one); `call` assigns a variable the model does not track (its new
+            value would have nowhere to go); or `call` reads a synchronized
+            variable (aggregation other than "none") after assigning it in
+            the same step (without XLA it would read the value synchronized
+            over the replicas; under XLA only its own).
     """
-    assigned = []  # The variables `call` assigns, in the order their values are returned; set when traced.
+    assigned = []  # The variables the pass assigns, in the order their values are returned; set when traced.
+    refusal = (
+        "With `jit_compile=True` under a multi-replica strategy, XLA compiles each replica's forward pass "
+        "on its own, and a collective cannot run inside it; received a `call` that runs one (e.g. "
+        "`BatchNormalization(synchronized=True)` or `get_replica_context().all_reduce`). Fix: pass "
+        "`jit_compile=False`."
+    )
 
     def forward_backward(x, y, sample_weight, loss_weight):
-        with keras.StatelessScope(collect_losses=True) as scope:
-            y_pred, loss, gradients = _forward_backward(model, x, y, sample_weight, loss_weight)
-        assigned[:] = [v for v in model.variables if scope.get_current_value(v) is not None]
-        if len(assigned) != len(scope.state_mapping):
+        holder = {}
+
+        def scope():  # Entered inside the tape: the regularized weights are read where it watches them.
+            mapping = [(v, v.value) for v in model.trainable_variables if getattr(v, "regularizer", None) is not None]
+            holder["scope"] = _StateCollectingScope(mapping)
+            return holder["scope"]
+
+        y_pred, loss, gradients = _forward_backward(
+            model, x, y, sample_weight, loss_weight, scope=scope, collective_refusal=refusal
+        )
+        state = holder["scope"]
+        state.watching = False
+        candidates = {id(v): v for v in [*model.variables, *model.metrics_variables]}
+        assigned[:] = [v for i, v in candidates.items() if i in state.assigned]
+        unknown = len(state.assigned) - len(assigned)
+        if unknown:
             raise ValueError(
-                "With `jit_compile=True` under a multi-replica strategy, `call` may only assign the "
-                f"model's own variables; it assigned {len(scope.state_mapping) - len(assigned)} that "
-                f"`{type(model).__name__}.variables` does not list. Fix: create those variables in a "
-                "layer of the model (so that the model tracks them), or pass `jit_compile=False`."
+                "With `jit_compile=True` under a multi-replica strategy, the forward pass may only assign the "
+                f"model's own variables (weights and metric state); it assigned {unknown} that "
+                f"`{type(model).__name__}` does not track. Fix: create those variables in a layer of the "
+                "model with `self.add_weight` (so that the model tracks them), or pass `jit_compile=False`."
             )
-        return y_pred, loss, gradients, [scope.get_current_value(v) for v in assigned]
+        synchronized = [v for v in state.read_after_assign.values() if getattr(v, "aggregation", "none") != "none"]
+        if synchronized:
+            raise ValueError(
+                "With `jit_compile=True` under a multi-replica strategy, `call` read "
+                f"{[v.path for v in synchronized]} after assigning it in the same step: without XLA that "
+                "read sees the value synchronized over the replicas (the variable's aggregation is "
+                f"{synchronized[0].aggregation!r}), under XLA per replica only this replica's own. Fix: pass "
+                "`jit_compile=False`, or read the variable before assigning it."
+            )
+        return y_pred, loss, gradients, [state.get_current_value(v) for v in assigned]
 
     compiled = tf.function(forward_backward, jit_compile=True, reduce_retracing=True)
 

@@ -139,3 +139,64 @@ def test_with_fix_layer_state_updates_match_the_uncompiled_step(mirrored_1x2_cpu
         return
     for a, b in zip(trained[True].get_weights(), trained[False].get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _regularized_two_outputs(strategy):
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.1), bias_regularizer="l1")(inputs)
+    outputs = {"a": keras.layers.Dense(1, name="a")(hidden), "b": keras.layers.Dense(1, name="b")(hidden)}
+    return keras_dist.DistributedModel(inputs, outputs, strategy=strategy)
+
+
+def test_with_fix_regularizers_and_several_outputs_match_the_uncompiled_step(mirrored_1x2_cpu, tmp_path):
+    """Weight regularizers read under the StatelessScope, per-output loss trackers assigned after it; saved as compiled."""
+    x, y = _data(40)
+    trained = {}
+    for jit_compile in (False, True):
+        keras.utils.set_random_seed(0)
+        model = _regularized_two_outputs(mirrored_1x2_cpu)
+        model.compile(optimizer="sgd", loss={"a": "mse", "b": "mae"}, jit_compile=jit_compile)
+        trained[jit_compile] = (model, model.fit(x, {"a": y, "b": y}, batch_size=8, epochs=2, verbose=0, shuffle=False).history)
+    (plain, plain_history), (compiled, compiled_history) = trained[False], trained[True]
+    for a, b in zip(compiled.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    for key in plain_history:
+        np.testing.assert_allclose(compiled_history[key], plain_history[key], rtol=1e-5, err_msg=key)
+    compiled.save(tmp_path / "model.keras")
+    with mirrored_1x2_cpu.scope():
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert loaded.get_compile_config()["jit_compile"] is True
+    assert loaded.__dict__["_keras_dist_replica_jit_compile"] is True
+
+
+class _GlobalCenter(keras.layers.Layer):
+    def call(self, x):
+        context = tf.distribute.get_replica_context()
+        return x if context is None else x - context.all_reduce("sum", tf.reduce_mean(x, 0)) / context.num_replicas_in_sync
+
+
+class _ReadsAfterUpdate(keras.layers.Layer):
+    def build(self, shape):
+        self.running_mean = self.add_weight(shape=(shape[-1],), initializer="zeros", trainable=False)
+
+    def call(self, x, training=False):
+        if training:
+            self.running_mean.assign(0.9 * self.running_mean + 0.1 * tf.reduce_mean(x, 0))
+        return x - self.running_mean
+
+
+@pytest.mark.parametrize(
+    "layer, match",
+    [
+        (_GlobalCenter, "a collective cannot run inside it.*Fix: pass `jit_compile=False`"),
+        (lambda: keras.layers.BatchNormalization(synchronized=True), "a collective cannot run inside it"),
+        (_ReadsAfterUpdate, r"read \['_*reads_after_update/variable'\] after assigning it.*aggregation is 'mean'"),
+    ],
+)
+def test_with_fix_what_xla_per_replica_cannot_do_is_refused_when_traced(mirrored_1x2_cpu, layer, match):
+    """Without these refusals: TensorFlow's raw merge_call error, or (reads after an update) silently other numbers."""
+    inputs = keras.Input((8,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(layer()(inputs)), strategy=mirrored_1x2_cpu)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with pytest.raises(ValueError, match=f"(?s){match}"):
+        model.fit(*_data(), batch_size=16, verbose=0)
