@@ -454,6 +454,7 @@ class DistributedModel(keras.Model):
                 and collectives_optimizer.weighs_examples_in_all_reduce(getattr(self, "optimizer", None))
                 else None
             ),
+            summed_metrics=_SummedMetrics(self),
         )
 
     def _replica_loss_weight(self, num_examples):
@@ -600,6 +601,41 @@ class DistributedModel(keras.Model):
         if _compat.is_active("build_in_replica_context"):
             return build_context.symbolic_replica_context(strategy)
         return strategy.scope()
+
+
+class _SummedMetrics:
+    """The metric state `DistributedModel.train_step` sums in the gradient all-reduce (see `steps.train_step`)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def variables(self):
+        """The metric variables (float32, sync-on-read, summed), or `None` when the metrics cannot ride along.
+
+        Not when the model overrides `compute_metrics` or `get_metrics_result`
+        (they may read other state), nor with variables aggregated otherwise.
+        """
+        model = self.model
+        if (
+            type(model).compute_metrics is not keras.Model.compute_metrics
+            or type(model).get_metrics_result is not DistributedModel.get_metrics_result
+            or not _compat.is_active("cross_replica_metrics")
+        ):
+            return None
+        variables = list({id(v): v for metric in model.metrics for v in metric.variables}.values())
+        if not variables or not all(
+            isinstance(v.value, tf.distribute.DistributedValues)
+            and v.value.aggregation == tf.VariableAggregation.SUM
+            and v.dtype == "float32"
+            for v in variables
+        ):
+            return None
+        return variables
+
+    def results(self, variables, sums):
+        """Keras' metric results computed from `sums` (float32 tensors, one per variable)."""
+        with keras.StatelessScope(state_mapping=list(zip(variables, sums))):
+            return keras.Model.get_metrics_result(self.model)
 
 
 def _asks_before_overwriting(filepath, args, kwargs):

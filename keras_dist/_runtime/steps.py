@@ -19,7 +19,7 @@ from keras_dist._runtime import build_context
 from keras_dist._runtime import keras_internals as ki
 
 
-def train_step(model, data, *, replica_loss_weight, forward_backward=None, weighting_by_examples=None):
+def train_step(model, data, *, replica_loss_weight, forward_backward=None, weighting_by_examples=None, summed_metrics=None):
     """Runs Keras' TensorFlow `train_step` with a per-replica loss weight.
 
     Identical to `keras.Model.train_step` on the TensorFlow backend (3.15), except
@@ -39,6 +39,13 @@ def train_step(model, data, *, replica_loss_weight, forward_backward=None, weigh
             weighting_by_examples`): the optimizer then weights this
             replica's gradients in the gradient all-reduce itself, and
             `replica_loss_weight` (a collective of its own) is not called.
+        summed_metrics: `None`, or an object with `variables()` (the metric
+            variables to sum over the replicas, or `None` when they cannot
+            be) and `results(variables, sums)` (the metric results from their
+            sums). With `weighting_by_examples`, the metric state is then
+            updated before the optimizer's `apply` (it depends only on `y`,
+            `y_pred` and `sample_weight`, so the numbers are the same) and
+            summed in the gradient all-reduce: one collective per step.
 
     Returns:
         Dict of metric results, as `model.compute_metrics` returns them.
@@ -67,12 +74,22 @@ def train_step(model, data, *, replica_loss_weight, forward_backward=None, weigh
 
         y_pred, loss, gradients = _forward_backward(model, x, y, sample_weight, loss_weight)
     model._loss_tracker.update_state(ki.unscale_loss_for_distribution(loss), sample_weight=num_examples)
-    if gradients is not None:
+    if gradients is None:
+        warnings.warn("The model does not have any trainable weights.")
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    state = summed_metrics.variables() if in_all_reduce and summed_metrics is not None else None
+    if state is None:
         with weighting_by_examples(num_examples) if in_all_reduce else contextlib.nullcontext():
             model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
-    else:
-        warnings.warn("The model does not have any trainable weights.")
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    if model._compile_metrics is not None:  # What Keras' `compute_metrics` does, before `apply` here.
+        model._compile_metrics.update_state(y, y_pred, sample_weight)
+    local_state = [tf.convert_to_tensor(v.value) for v in state]  # This replica's, read after the updates.
+    with weighting_by_examples(num_examples, extras=local_state) as request:
+        model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+    if request.extras_sums is None:  # `apply` did not all-reduce (not reached with keras-dist's optimizer).
+        return model.get_metrics_result()
+    return summed_metrics.results(state, request.extras_sums)
 
 
 @contextlib.contextmanager

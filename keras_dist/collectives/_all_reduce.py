@@ -52,7 +52,7 @@ def assert_same_gradient_kinds(summed_kinds, num_replicas, names):
     )
 
 
-def all_reduce_gradients(gradients, options, *, names=None, num_examples=None):
+def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, extras=()):
     """Sums `gradients` over all replicas, with `options`' packing, timeout and compression.
 
     Args:
@@ -62,58 +62,82 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None):
             `None`).
         options: A `keras_dist.CommunicationOptions`.
         names: Optional list of the variables' names. When given, the replicas
-            first check that they agree on which gradients are `None`, dense
-            or sparse (one all-reduce of `2 * len(gradients)` floats), and all
-            fail with those names if not (see `assert_same_gradient_kinds`).
+            check that they agree on which gradients are `None`, dense or
+            sparse (`2 * len(gradients)` floats summed over the replicas), and
+            all fail with those names if not (see `assert_same_gradient_kinds`).
         num_examples: Optional int32 scalar tensor, this replica's examples.
             When given, each replica's gradients count by its share of the
             examples: the replicas send `num_examples x gradient` and
-            `num_examples` in the same all-reduce, and the sums are scaled
-            by `num_replicas_in_sync / total examples`. Not with compression
+            `num_examples`, and the sums are scaled by
+            `num_replicas_in_sync / total examples`. Not with compression
             (a scaled gradient could overflow float16).
+        extras: List of float32 tensors (any shapes) to sum over the replicas
+            along with the gradients, e.g. metric state.
 
     Returns:
-        List of the summed gradients, in the same order and dtypes.
+        `(summed_gradients, summed_extras)`: the gradients in the same order
+        and dtypes (`None` kept), and one tensor per `extras` entry.
 
     Raises:
         tf.errors.InvalidArgumentError: At run time, with `names`, when the
-            replicas disagree on the gradient structure.
+            replicas disagree on the gradient structure. Nothing summed is
+            returned to the caller then.
 
     Distributed behavior:
         Runs in replica context and is a collective: every replica of every
         worker must call it with the same structure of gradients (the same
         `None` positions). Replicas of one worker run the same trace; workers
         can differ only when Python code branches on the worker, which
-        `names` turns into an error instead of a mismatched collective.
+        `names` turns into an error instead of a wrong sum.
+
+        When every dense value sent is float32 (no compression), the example
+        count, `extras` and the structure check travel in the gradients' own
+        collective: one all-reduce per step. Disagreeing workers then send
+        packs of different sizes (TensorFlow fails the collective with "Shape
+        mismatch") or of equal sizes, in which case the summed check fails
+        before any sum is returned. Otherwise (compressed or non-float32
+        gradients) they are summed in one all-reduce first and the gradients
+        are sent only after the check passed.
     """
     context = tf.distribute.get_replica_context()
-    present = [i for i, g in enumerate(gradients) if g is not None]
+    extras = [tf.identity(tf.convert_to_tensor(e, tf.float32)) for e in extras]  # On this replica's device.
     if context is None:
-        return list(gradients)
-    checks = []
-    if names is not None:
-        summed_kinds = context.all_reduce(tf.distribute.ReduceOp.SUM, gradient_kinds(gradients))
-        checks = [assert_same_gradient_kinds(summed_kinds, context.num_replicas_in_sync, names)]
-    if not present:
-        return list(gradients)
+        return list(gradients), extras
+    present = [i for i, g in enumerate(gradients) if g is not None]
     to_send = [gradients[i] for i in present]
+    side = list(extras)
     if num_examples is not None:
         count = tf.cast(num_examples, tf.float32)
         to_send = [_scaled(g, count) for g in to_send]
-    with tf.control_dependencies(checks):
-        values = [_after_checks(v) for v in compress(to_send, options)]
-        if num_examples is not None:
-            values.append(tf.reshape(count, [1]))  # Summed with the gradients, in the same collective.
-    reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, values, options=options.to_tensorflow())
+        side.append(tf.reshape(count, [1]))
+    if names is not None:
+        side.append(gradient_kinds(gradients))
+    to_send = compress(to_send, options)
+    together = all(v.dtype == tf.float32 for v in to_send if not isinstance(v, tf.IndexedSlices))
+    reduced, side_sums = [], []
+    if together and (to_send or side):
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, to_send + side, options=options.to_tensorflow())
+        reduced, side_sums = reduced[: len(to_send)], reduced[len(to_send) :]
+    elif not together and side:
+        side_sums = context.all_reduce(tf.distribute.ReduceOp.SUM, side, options=options.to_tensorflow())
+    checks = []
+    if names is not None:
+        checks = [assert_same_gradient_kinds(side_sums.pop(), context.num_replicas_in_sync, names)]
     if num_examples is not None:
-        total = reduced.pop()[0]
+        total = side_sums.pop()[0]
         factor = tf.math.divide_no_nan(float(context.num_replicas_in_sync), total)
+    if not together and to_send:
+        with tf.control_dependencies(checks):  # Nothing is sent before the workers agree.
+            to_send = [_after_checks(v) for v in to_send]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, to_send, options=options.to_tensorflow())
     result = list(gradients)
-    for i, value in zip(present, reduced):
-        result[i] = decompress(value, gradients[i].dtype)
-        if num_examples is not None:
-            result[i] = _scaled(result[i], factor)
-    return result
+    with tf.control_dependencies(checks):  # Nothing summed is used unless the workers agree.
+        for i, value in zip(present, reduced):
+            result[i] = _after_checks(decompress(value, gradients[i].dtype))
+            if num_examples is not None:
+                result[i] = _scaled(result[i], factor)
+        side_sums = [tf.identity(s) for s in side_sums]
+    return result, side_sums
 
 
 def _scaled(gradient, factor):

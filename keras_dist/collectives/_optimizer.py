@@ -146,8 +146,26 @@ def weighs_examples_in_all_reduce(optimizer):
     )
 
 
+class StepAllReduce:
+    """What one replica's step sends along with its gradients (see `weighting_by_examples`).
+
+    Attributes:
+        num_examples: int32 scalar tensor, this replica's examples.
+        extras: List of float32 tensors to sum over the replicas in the
+            gradient all-reduce.
+        extras_sums: After the optimizer's `apply`: the sums, one tensor per
+            `extras` entry, equal on every replica; `None` while no all-reduce
+            has carried them.
+    """
+
+    def __init__(self, num_examples, extras=()):
+        self.num_examples = num_examples
+        self.extras = list(extras)
+        self.extras_sums = None
+
+
 @contextlib.contextmanager
-def weighting_by_examples(num_examples):
+def weighting_by_examples(num_examples, extras=()):
     """Within it, this replica's `apply` weights its gradients by `num_examples` (int32 scalar tensor).
 
     Each replica sends `num_examples x gradient` and `num_examples` in one
@@ -156,11 +174,20 @@ def weighting_by_examples(num_examples):
     replica's loss is Keras' `mean / num_replicas_in_sync`, as
     `DistributedModel._replica_loss_weight` gives it with a separate
     all-reduce. Only for an optimizer `weighs_examples_in_all_reduce` accepts.
+
+    Args:
+        num_examples: int32 scalar tensor, this replica's examples.
+        extras: List of float32 tensors (e.g. metric state) summed over the
+            replicas in the same all-reduce.
+
+    Yields:
+        A `StepAllReduce`; its `extras_sums` hold the sums once `apply` ran.
     """
     previous = getattr(_EXAMPLE_COUNT, "value", None)
-    _EXAMPLE_COUNT.value = num_examples
+    request = StepAllReduce(num_examples, extras)
+    _EXAMPLE_COUNT.value = request
     try:
-        yield
+        yield request
     finally:
         _EXAMPLE_COUNT.value = previous
 
@@ -198,8 +225,16 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
                 check_input=None if names is None else _all_reduce.gradient_kinds(grads),
             )
             return
-        num_examples = getattr(_EXAMPLE_COUNT, "value", None) if not accumulating else None
-        grads = _all_reduce.all_reduce_gradients(grads, options, names=names, num_examples=num_examples)
+        request = getattr(_EXAMPLE_COUNT, "value", None) if not accumulating else None
+        grads, extras_sums = _all_reduce.all_reduce_gradients(
+            grads,
+            options,
+            names=names,
+            num_examples=None if request is None else request.num_examples,
+            extras=() if request is None else request.extras,
+        )
+        if request is not None:
+            request.extras_sums = extras_sums
         if accumulating:
             ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
         else:

@@ -149,7 +149,15 @@ def out_of_step_message(info, error_text):
         f"collective operation at the same point. Received from TensorFlow: "
         f"{_informative_line(error_text)[:300]} Fix: every worker must make the same "
         "fit/evaluate/predict calls with the same epochs, steps and batch sizes (do not "
-        "guard them with `if keras_dist.is_chief():`). See docs/troubleshooting.md#out-of-step."
+        "guard them with `if keras_dist.is_chief():`)"
+        + (
+            "; a shape mismatch in the training step can also mean the workers' steps give gradients "
+            "to different variables (do not branch on `keras_dist.task_id()` in `call` or `train_step`, "
+            "docs/troubleshooting.md#gradient-structure)"
+            if "shape mismatch" in error_text.lower()
+            else ""
+        )
+        + ". See docs/troubleshooting.md#out-of-step."
     )
 
 

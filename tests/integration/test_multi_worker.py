@@ -68,9 +68,9 @@ def test_two_workers_match_single_device(tmp_path, single_device_results, cpu_re
     assert outputs[0]["history"]["val_count"] == [13.0, 13.0]
     assert outputs[0]["evaluate"]["count"] == 13.0
     assert len(outputs[0]["predictions"]) == 11
-    # Per replica and step: gradient kinds, gradients with example counts, metric state (14 before
-    # the outputs were taken from the first replica and the counts and metric sums batched).
-    assert outputs[0]["collectives_per_train_step"] == [3 * cpu_replicas]
+    # Per replica and step, one: the gradients with the example counts, the gradient-kind check and the
+    # metric state (14 before the outputs were taken from the first replica and the rest batched, then 3).
+    assert outputs[0]["collectives_per_train_step"] == [cpu_replicas]
     for got in outputs:
         _assert_matches(single_device_results, got)
 
@@ -305,17 +305,29 @@ print("finished without error", flush=True)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_workers_giving_gradients_to_different_variables_fail_naming_them(tmp_path, accumulation):
-    """Issue 5 item 6: no hang and no silently wrong sum when workers disagree on which gradients are None."""
+@pytest.mark.parametrize("accumulation, second_bias", [(1, True), (2, True), (1, False)], ids=["equal", "equal_accumulating", "unequal"])
+def test_workers_giving_gradients_to_different_variables_fail_naming_them(tmp_path, accumulation, second_bias):
+    """Issue 5 item 6: no hang and no silently wrong sum when workers disagree on which gradients are None.
+
+    With equal gradient sizes the flags summed in the gradients' all-reduce name the variables; with
+    unequal sizes (no bias on worker 1's layer) TensorFlow's shape check fails the same collective.
+    """
     script = tmp_path / "branching.py"
-    script.write_text(BRANCHING_SCRIPT)
+    source = BRANCHING_SCRIPT
+    if not second_bias:
+        source = source.replace('Dense(1, name="second_worker_only")', 'Dense(1, use_bias=False, name="second_worker_only")')
+    script.write_text(source)
     command = [
         sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", "--grace-period", "3",
         str(script), str(accumulation),
     ]
     result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
     assert result.returncode == 1, result.stdout[-3000:]
+    assert "finished without error" not in result.stdout
+    if not second_bias:
+        lines = [line for line in result.stdout.splitlines() if "The workers are out of step" in line]
+        assert lines and "Shape mismatch" in lines[0] and "#gradient-structure" in lines[0], result.stdout[-3000:]
+        return
     lines = [line for line in result.stdout.splitlines() if "The workers disagree on which variables receive" in line]
     assert lines, result.stdout[-3000:]
     assert "first_worker_only/kernel" in lines[0] and "second_worker_only/kernel" in lines[0]

@@ -54,7 +54,7 @@ def test_compression_sums_in_the_compressed_dtype(mirrored_1x2_cpu, compression,
     @tf.function
     def step():
         def replica_fn():
-            return _all_reduce.all_reduce_gradients([tf.constant([1 + 2**-11], tf.float32), None], options)
+            return _all_reduce.all_reduce_gradients([tf.constant([1 + 2**-11], tf.float32), None], options)[0]
 
         return mirrored_1x2_cpu.run(replica_fn)
 

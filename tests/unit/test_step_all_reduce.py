@@ -1,0 +1,171 @@
+"""What `fit`'s step sums in the gradients' own all-reduce (docs/communication.md#what-travels-with-the-gradients).
+
+The example counts, the gradient-structure flags and the metric state ride in the gradient
+all-reduce when they can; each falls back to a reduction of its own otherwise. Every variant
+must give the numbers of one device (uneven splits: 58 examples, batch 16, so the last batch
+gives the replicas 5 and 5, or 4, 3 and 3 examples), and the test counts the reductions each
+replica starts while the step is traced.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import keras_dist
+from keras_dist.collectives import _all_reduce
+
+TOL = 1e-5
+
+
+def _data():
+    rs = np.random.RandomState(3)
+    x = rs.rand(58, 5).astype("float32")
+    y = (x @ rs.randn(5, 1).astype("float32") > 0).astype("float32")
+    return x, y
+
+
+def _layers():
+    return [
+        keras.layers.Dense(6, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(seed=1)),
+        keras.layers.Dense(1, activation="sigmoid", kernel_initializer=keras.initializers.GlorotUniform(seed=2)),
+    ]
+
+
+def _build(cls, **kwargs):
+    inputs = keras.Input((5,))
+    hidden, out = _layers()
+    return cls(inputs, out(hidden(inputs)), **kwargs)
+
+
+class OwnComputeMetrics(keras_dist.DistributedModel):
+    """Overrides `compute_metrics`: the metrics are then summed after `apply`, as Keras orders them."""
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return super().compute_metrics(x, y, y_pred, sample_weight)
+
+
+class Float64Sum(keras.metrics.Sum):
+    """A metric whose state is float64: not carried in a float32 pack."""
+
+    def __init__(self):
+        super().__init__(name="sum64", dtype="float64")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        super().update_state(keras.ops.sum(y_pred))
+
+
+def _metrics(with_float64):
+    metrics = ["mae", keras.metrics.BinaryAccuracy(name="acc"), keras.metrics.AUC(name="auc", num_thresholds=20)]
+    return metrics + [Float64Sum()] if with_float64 else metrics
+
+
+@contextlib.contextmanager
+def _counting_reductions(model):
+    """Counts, while `model.train_step` is traced, the replicas' `ReplicaContext.all_reduce` calls and the metric sums after `apply`."""
+    counts = {"all_reduce": 0, "metrics_after_apply": 0}
+    in_step = [0]  # Replicas inside train_step (MirroredStrategy runs each in its own thread).
+    all_reduce = tf.distribute.ReplicaContext.all_reduce
+    metrics_after_apply = keras_dist.DistributedModel._metrics_result_from_summed_state
+    train_step = model.train_step
+
+    def counting_all_reduce(self, *args, **kwargs):
+        counts["all_reduce"] += bool(in_step[0])
+        return all_reduce(self, *args, **kwargs)
+
+    def counting_metrics_after_apply(self, *args, **kwargs):
+        counts["metrics_after_apply"] += bool(in_step[0])  # Once per step, in cross-replica context.
+        return metrics_after_apply(self, *args, **kwargs)
+
+    def counting_train_step(data):
+        in_step[0] += 1
+        try:
+            return train_step(data)
+        finally:
+            in_step[0] -= 1
+
+    tf.distribute.ReplicaContext.all_reduce = counting_all_reduce
+    keras_dist.DistributedModel._metrics_result_from_summed_state = counting_metrics_after_apply
+    model.train_step = counting_train_step
+    try:
+        yield counts
+    finally:
+        tf.distribute.ReplicaContext.all_reduce = all_reduce
+        keras_dist.DistributedModel._metrics_result_from_summed_state = metrics_after_apply
+        del model.train_step
+
+
+def _fit(model, x, y, **compile_kwargs):
+    model.compile(optimizer=keras.optimizers.SGD(0.2), loss="binary_crossentropy", **compile_kwargs)
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return history.history
+
+
+@pytest.mark.parametrize(
+    "variant, all_reduces, metrics_after_apply",
+    [
+        ("default", 1, 0),  # Gradients, example counts and metric state in one all-reduce per replica.
+        ("own_compute_metrics", 1, 1),  # Overridden compute_metrics: metric sums after apply.
+        ("float64_metric", 1, 1),  # A float64 metric variable: the same.
+        ("fp16_compression", 2, 1),  # Compression: the counts first (loss weighting), then float16 gradients.
+    ],
+)
+def test_what_rides_with_the_gradients_matches_one_device(multi_replica_strategy, variant, all_reduces, metrics_after_apply):
+    x, y = _data()
+    reference = _build(keras.Model)
+    cls = OwnComputeMetrics if variant == "own_compute_metrics" else keras_dist.DistributedModel
+    communication = {"compression": "fp16"} if variant == "fp16_compression" else None
+    model = _build(cls, strategy=multi_replica_strategy, communication=communication)
+    model.set_weights(reference.get_weights())
+    metrics = _metrics(with_float64=variant == "float64_metric")
+    expected_history = _fit(reference, x, y, metrics=_metrics(with_float64=variant == "float64_metric"))
+    with _counting_reductions(model) as counts:
+        history = _fit(model, x, y, metrics=metrics)
+    replicas = multi_replica_strategy.num_replicas_in_sync
+    traces = _traces(model)
+    assert counts == {"all_reduce": all_reduces * replicas * traces, "metrics_after_apply": metrics_after_apply * traces}
+    tol = 2e-3 if variant == "fp16_compression" else TOL
+    assert sorted(history) == sorted(expected_history)
+    for name, values in expected_history.items():
+        np.testing.assert_allclose(history[name], values, rtol=tol, atol=tol, err_msg=name)
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def _traces(model):
+    """How many times the one-step function was traced (the uneven last batch may add one)."""
+    from keras_dist.callbacks._monitors import _tf_functions_in
+
+    return sum(
+        len(f._list_all_concrete_functions())
+        for f in _tf_functions_in(model.train_function)
+        if "one_step_on_data" in getattr(f, "__name__", "")
+    )
+
+
+def test_non_float32_gradients_send_counts_in_their_own_all_reduce(mirrored_1x2_cpu):
+    """float16 gradients cannot share a pack with float32 counts: the counts go first, alone."""
+
+    @tf.function
+    def step():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            count = tf.constant(3) if context.replica_id_in_sync_group == 0 else tf.constant(1)
+            gradient = tf.fill([4], tf.cast(context.replica_id_in_sync_group + 1, tf.float16))
+            options = keras_dist.CommunicationOptions()
+            return _all_reduce.all_reduce_gradients(
+                [gradient, None], options, num_examples=count, extras=[tf.ones([2, 3])]
+            )
+
+        return mirrored_1x2_cpu.run(replica_fn)
+
+    (summed, missing), extras = step()
+    assert missing is None
+    # (3 x 1 + 1 x 2) x 2 replicas / 4 examples = 2.5, in float16.
+    for value in mirrored_1x2_cpu.experimental_local_results(summed):
+        assert value.dtype == tf.float16
+        np.testing.assert_allclose(value.numpy(), [2.5] * 4)
+    for value in mirrored_1x2_cpu.experimental_local_results(extras[0]):
+        np.testing.assert_allclose(value.numpy(), np.full([2, 3], 2.0))
