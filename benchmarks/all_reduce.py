@@ -18,8 +18,16 @@ gRPC collectives on loopback, one CPU replica each).
   accumulation   seconds per micro-batch step of `DistributedModel.fit` with
                  `gradient_accumulation_steps` 1 and 4 (4 MB of gradients,
                  all-reduced once per k micro-batches).
+  gradients      effective throughput of keras-dist's gradient all-reduce
+                 (`all_reduce_gradients`, what `fit` runs): 64 MB of float32
+                 gradients in 16 tensors, float32 bytes per second (busbw as
+                 above), for `bytes_per_pack` "auto" (the default) / 0 / 4 / 8 /
+                 16 MB and compression
+                 none / fp16 / bf16, next to TensorFlow's own
+                 `ReplicaContext.all_reduce` of the same tensors; variants
+                 interleaved over `--rounds` rounds, median reported.
 
-    python benchmarks/all_reduce.py [--repeats 10] [--json out.json]
+    python benchmarks/all_reduce.py [--repeats 10] [--rounds 3] [--only gradients] [--json out.json]
 """
 
 import argparse
@@ -37,10 +45,54 @@ import json, sys, time
 import keras_dist
 import keras, numpy as np, tensorflow as tf
 
-repeats, out = int(sys.argv[1]), sys.argv[2]
+repeats, out, rounds, only = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 strategy = keras_dist.resolve_strategy("auto")
 n = strategy.num_replicas_in_sync
 results = {"num_replicas_in_sync": n}
+
+
+def gradient_all_reduce():
+    """keras-dist's all_reduce_gradients on 64 MB in 16 float32 tensors, variants interleaved."""
+    from keras_dist.collectives import _all_reduce
+
+    size = 64 * 2**20
+    gradients = [tf.ones([size // 4 // 16]) for _ in range(16)]
+    variants = {"tensorflow_all_reduce pack=0": None}
+    for compression in (None, "fp16", "bf16"):
+        for pack in ("auto", 0, 4, 8, 16):
+            name = f"keras_dist compression={compression} pack={pack}" + ("" if pack == "auto" else "MB")
+            if pack == "auto" and compression is not None:
+                continue
+            variants[name] = keras_dist.CommunicationOptions(
+                compression=compression, bytes_per_pack=pack if pack == "auto" else pack * 2**20
+            )
+    steps = {}
+    for name, options in variants.items():
+        if options is None:
+            fn = lambda: tf.distribute.get_replica_context().all_reduce("SUM", gradients)
+        else:
+            fn = lambda options=options: _all_reduce.all_reduce_gradients(gradients, options)[0]
+        steps[name] = tf.function(lambda fn=fn: strategy.run(fn))
+        for _ in range(2):
+            steps[name]()
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(repeats):
+                step()
+            times[name].append((time.perf_counter() - start) / repeats)
+    return {
+        name: {"seconds": sorted(t)[len(t) // 2], "all_rounds": t, "effective_busbw_MBps": size * 2 * (n - 1) / n / sorted(t)[len(t) // 2] / 2**20}
+        for name, t in times.items()
+    }
+
+
+if only == "gradients":
+    results["gradients_64MB"] = gradient_all_reduce()
+    if keras_dist.is_chief():
+        json.dump(results, open(out, "w"))
+    sys.exit(0)
 
 
 def timed(values, options):
@@ -85,6 +137,7 @@ for _ in range(3):  # interleaved, median reported: one worker process per core 
 for k, seconds in timings.items():
     results[f"accumulation_k{k}_seconds_per_step"] = sorted(seconds)[1]
     results[f"accumulation_k{k}_all_runs"] = seconds
+results["gradients_64MB"] = gradient_all_reduce()
 if keras_dist.is_chief():
     json.dump(results, open(out, "w"))
 '''
@@ -123,6 +176,8 @@ def loopback_tcp_MBps(total=256 * 2**20, chunk=2**20):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the gradient all-reduce variants")
+    parser.add_argument("--only", choices=["all", "gradients"], default="all", help="run every section, or the gradient all-reduce only")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1"}
@@ -132,12 +187,22 @@ def main():
         script, out = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
         with open(script, "w") as f:
             f.write(WORKER)
-        command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", script, str(args.repeats), out]
+        command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", script, str(args.repeats), out, str(args.rounds), args.only]
         subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
         with open(out) as f:
             results = json.load(f)
     results["loopback_tcp_MBps"] = tcp
     print(f"2 workers x 1 CPU replica on loopback; loopback TCP (1 stream): {tcp:,.0f} MB/s\n")
+    gradients = results["gradients_64MB"]
+    print(f"{'gradient all-reduce, 64 MB float32 in 16 tensors':<50}{'seconds':>10}{'effective MB/s':>16}{'/ TCP':>8}")
+    for name, r in gradients.items():
+        print(f"{name:<50}{r['seconds']:>10.4f}{r['effective_busbw_MBps']:>16,.0f}{r['effective_busbw_MBps'] / tcp:>7.2f}x")
+    if args.only == "gradients":
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
+    print()
     print(f"{'all-reduce':<12}{'seconds':>10}{'busbw MB/s':>12}{'/ TCP':>8}")
     for megabytes in (1, 16, 64):
         r = results[f"allreduce_{megabytes}MB"]

@@ -60,7 +60,8 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
             `tf.IndexedSlices` (embeddings; all-gathered, never densified or
             compressed here) or `None` (a variable without gradient, kept as
             `None`).
-        options: A `keras_dist.CommunicationOptions`.
+        options: A `keras_dist.CommunicationOptions` (`bytes_per_pack="auto"`
+            is resolved for this replica context's strategy).
         names: Optional list of the variables' names. When given, the replicas
             check that they agree on which gradients are `None`, dense or
             sparse (`2 * len(gradients)` floats summed over the replicas), and
@@ -103,6 +104,7 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     extras = [tf.identity(tf.convert_to_tensor(e, tf.float32)) for e in extras]  # On this replica's device.
     if context is None:
         return list(gradients), extras
+    options = options.resolved(context.strategy)
     present = [i for i, g in enumerate(gradients) if g is not None]
     to_send = [gradients[i] for i in present]
     side = list(extras)

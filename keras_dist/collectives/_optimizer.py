@@ -202,7 +202,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
         or not _compat.is_active("sum_gradients_before_apply")
     ):
         return keras_apply(optimizer, grads, trainable_variables)
-    options = optimizer.__dict__[_OPTIONS]
+    options = optimizer.__dict__[_OPTIONS].resolved(context.strategy)
     grads = list(grads)
     variables = list(trainable_variables) if trainable_variables is not None else list(optimizer._trainable_variables)
     accumulating = accumulation.accumulates_anywhere(optimizer) and _compat.is_active(

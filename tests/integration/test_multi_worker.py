@@ -71,6 +71,7 @@ def test_two_workers_match_single_device(tmp_path, single_device_results, cpu_re
     # Per replica and step, one: the gradients with the example counts, the gradient-kind check and the
     # metric state (14 before the outputs were taken from the first replica and the rest batched, then 3).
     assert outputs[0]["collectives_per_train_step"] == [cpu_replicas]
+    assert outputs[0]["bytes_per_pack"] == 8 * 2**20  # "auto" between CPU workers
     for got in outputs:
         _assert_matches(single_device_results, got)
 

@@ -104,3 +104,16 @@ def test_distribute_passes_options_to_the_wrapped_model(mirrored_1x2_cpu):
     assert model.communication.compression == "bf16" and model.auto_shard_policy == "data"
     again = keras_dist.distribute(model, strategy=mirrored_1x2_cpu, communication={"implementation": "ring"})
     assert again is model and model.communication.implementation == "ring" and model.auto_shard_policy == "auto"
+
+
+def test_auto_packing_is_one_pack_on_one_machine(mirrored_1x2_cpu):
+    """`bytes_per_pack="auto"` resolves to 0 (TensorFlow's one pack) except between CPU workers (tested there)."""
+    options = keras_dist.CommunicationOptions()
+    assert options.bytes_per_pack == "auto" and options.describe().startswith("AUTO, pack auto,")
+    assert options.resolved(mirrored_1x2_cpu).bytes_per_pack == 0
+    assert options.resolved(tf.distribute.get_strategy()).bytes_per_pack == 0
+    assert options.to_tensorflow().bytes_per_pack == 0
+    explicit = keras_dist.CommunicationOptions(bytes_per_pack=0)
+    assert explicit.resolved(mirrored_1x2_cpu) is explicit and "one pack" in explicit.describe()
+    with pytest.raises(ValueError, match="or 'auto'"):
+        keras_dist.CommunicationOptions(bytes_per_pack=True)
