@@ -4,7 +4,7 @@
     python benchmarks/loss_curves.py --json benchmarks/results/loss_curves.json
     python benchmarks/suite.py --systems keras_dist,keras,keras_loop,tf_keras,jax,keras_dist_tf_threads \
         --steps 10 --epochs 3 --json benchmarks/results/suite.json
-    python benchmarks/plot.py            # writes docs/images/*.png (--figure all_reduce|loss_curves|suite_scaling: one)
+    python benchmarks/plot.py            # writes docs/images/*.png (--figure all_reduce|loss_curves|suite_scaling|suite_one_collective: one)
 
 Each figure is drawn from the JSON a benchmark wrote, so the docs show what was measured.
 """
@@ -96,6 +96,7 @@ FIGURES = {  # name: (results file, drawing function, image file)
     "all_reduce": ("all_reduce.json", all_reduce_figure, "all_reduce_busbw.png"),
     "loss_curves": ("loss_curves.json", loss_curves_figure, "loss_curves.png"),
     "suite_scaling": ("suite.json", scaling_figure, "suite_scaling.png"),
+    "suite_one_collective": ("suite_one_collective.json", scaling_figure, "suite_one_collective.png"),
 }
 
 

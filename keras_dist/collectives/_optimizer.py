@@ -16,7 +16,7 @@ from keras_dist.collectives._options import CommunicationOptions
 _OPTIONS = "_keras_dist_communication"
 _SUMS = "_keras_dist_gradient_sums"
 _SUMS_VARIABLES = "_keras_dist_gradient_sums_variables"
-_EXAMPLE_COUNT = threading.local()  # Per replica thread (MirroredStrategy runs each replica in its own).
+_STEP_ALL_REDUCE = threading.local()  # A `StepAllReduce` per replica thread (MirroredStrategy runs each replica in its own).
 
 
 def distributed_optimizer(optimizer, communication=None):
@@ -183,13 +183,13 @@ def weighting_by_examples(num_examples, extras=()):
     Yields:
         A `StepAllReduce`; its `extras_sums` hold the sums once `apply` ran.
     """
-    previous = getattr(_EXAMPLE_COUNT, "value", None)
+    previous = getattr(_STEP_ALL_REDUCE, "value", None)
     request = StepAllReduce(num_examples, extras)
-    _EXAMPLE_COUNT.value = request
+    _STEP_ALL_REDUCE.value = request
     try:
         yield request
     finally:
-        _EXAMPLE_COUNT.value = previous
+        _STEP_ALL_REDUCE.value = previous
 
 
 def _apply_summed(optimizer, grads, trainable_variables=None):
@@ -225,7 +225,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
                 check_input=None if names is None else _all_reduce.gradient_kinds(grads),
             )
             return
-        request = getattr(_EXAMPLE_COUNT, "value", None) if not accumulating else None
+        request = getattr(_STEP_ALL_REDUCE, "value", None) if not accumulating else None
         grads, extras_sums = _all_reduce.all_reduce_gradients(
             grads,
             options,
