@@ -613,13 +613,18 @@ class _SummedMetrics:
         """The metric variables (float32, sync-on-read, summed), or `None` when the metrics cannot ride along.
 
         Not when the model overrides `compute_metrics` or `get_metrics_result`
-        (they may read other state), nor with variables aggregated otherwise.
+        (they may read other state), nor with variables aggregated otherwise,
+        nor when a compiled metric is not one of Keras' own classes: the
+        metrics are then updated before `apply`, and a metric of one's own
+        may read the weights (it would see them before the step).
         """
         model = self.model
+        compiled = model._compile_metrics.metrics if model._compile_metrics is not None else []
         if (
             type(model).compute_metrics is not keras.Model.compute_metrics
             or type(model).get_metrics_result is not DistributedModel.get_metrics_result
             or not _compat.is_active("cross_replica_metrics")
+            or not all(type(m).__module__.startswith("keras.") for m in compiled)
         ):
             return None
         variables = list({id(v): v for metric in model.metrics for v in metric.variables}.values())

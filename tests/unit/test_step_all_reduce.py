@@ -57,9 +57,31 @@ class Float64Sum(keras.metrics.Sum):
         super().update_state(keras.ops.sum(y_pred))
 
 
-def _metrics(with_float64):
+class KernelNorm(keras.metrics.Metric):
+    """Reads the model's weights: it must see them after the step's update, as on one device."""
+
+    def __init__(self, model):
+        super().__init__(name="kernel_norm")
+        self.model = model
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        examples = keras.ops.cast(keras.ops.shape(y_true)[0], "float32")
+        self.total.assign_add(keras.ops.sum(keras.ops.abs(self.model.layers[-1].kernel)) * examples)
+        self.count.assign_add(examples)
+
+    def result(self):
+        return self.total / self.count
+
+
+def _metrics(variant, model):
     metrics = ["mae", keras.metrics.BinaryAccuracy(name="acc"), keras.metrics.AUC(name="auc", num_thresholds=20)]
-    return metrics + [Float64Sum()] if with_float64 else metrics
+    if variant == "float64_metric":
+        return metrics + [Float64Sum()]
+    if variant == "metric_of_ones_own":
+        return metrics + [KernelNorm(model)]
+    return metrics
 
 
 @contextlib.contextmanager
@@ -109,6 +131,7 @@ def _fit(model, x, y, **compile_kwargs):
         ("default", 1, 0),  # Gradients, example counts and metric state in one all-reduce per replica.
         ("own_compute_metrics", 1, 1),  # Overridden compute_metrics: metric sums after apply.
         ("float64_metric", 1, 1),  # A float64 metric variable: the same.
+        ("metric_of_ones_own", 1, 1),  # A compiled metric class of one's own (here it reads the weights): the same.
         ("fp16_compression", 2, 1),  # Compression: the counts first (loss weighting), then float16 gradients.
     ],
 )
@@ -119,8 +142,8 @@ def test_what_rides_with_the_gradients_matches_one_device(multi_replica_strategy
     communication = {"compression": "fp16"} if variant == "fp16_compression" else None
     model = _build(cls, strategy=multi_replica_strategy, communication=communication)
     model.set_weights(reference.get_weights())
-    metrics = _metrics(with_float64=variant == "float64_metric")
-    expected_history = _fit(reference, x, y, metrics=_metrics(with_float64=variant == "float64_metric"))
+    metrics = _metrics(variant, model)
+    expected_history = _fit(reference, x, y, metrics=_metrics(variant, reference))
     with _counting_reductions(model) as counts:
         history = _fit(model, x, y, metrics=metrics)
     replicas = multi_replica_strategy.num_replicas_in_sync
