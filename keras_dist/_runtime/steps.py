@@ -6,7 +6,6 @@ live in `_runtime`.
 """
 
 import contextlib
-import functools
 import warnings
 
 import keras
