@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras_dist import _compat, collectives, errors
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import layers as runtime_layers
-from keras_dist._runtime import build_context, steps, variables
+from keras_dist._runtime import build_context, step_state, steps, variables
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _coordination as callbacks_coordination
 from keras_dist.callbacks import _resume as callbacks_resume
@@ -29,6 +29,7 @@ from keras_dist.data import _sharding as data_sharding
 from keras_dist.strategy import _cluster, _peer_errors, _plan, _resolve
 
 _REDUCTION_METHODS = ("auto", "mean", "sum", "first")
+_CUSTOM_STEP_LOSSES = ("mean", "global")
 _FUNCTIONAL_CLASSES = {}
 # What TensorFlow raises when a peer crashed, stopped answering or missed a collective.
 _PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
@@ -432,46 +433,101 @@ class DistributedModel(keras.Model):
 
     # ------------------------------------------------------------ the steps
     def train_step(self, data):
-        """Keras' `train_step`, with each replica's loss weighted by its share of the global batch.
+        """Keras' `train_step`, with each replica's loss counted as in the global batch's loss.
 
-        The optimizer `compile` sets up sums the gradients over the replicas
+        Every way of writing a compiled loss gives the gradient and the
+        logged value of the global batch's loss: each loss term counts by
+        its own divisor (examples; unmasked tokens; sample weights' sum; none
+        for `"sum"`), see `keras_dist._runtime.steps.train_step`. The
+        optimizer `compile` sets up sums the gradients over the replicas
         (with `communication`'s packing, timeout and compression) before it
-        applies them (`keras_dist.distributed_optimizer`), so gradient clipping
-        acts on the global gradient; an overriding `train_step` that calls
-        `self.optimizer.apply` gets the same. With `compile(jit_compile=True)`
+        applies them (`keras_dist.distributed_optimizer`), so gradient
+        clipping acts on the global gradient. With `compile(jit_compile=True)`
         under a multi-replica strategy the forward and backward pass is
         compiled with XLA per replica (see `compile`).
         """
+        strategy = self._distribute_strategy
+        if strategy.num_replicas_in_sync == 1 or not _compat.is_active("example_weighted_loss"):
+            return super().train_step(data)
         return steps.train_step(
             self,
             data,
-            replica_loss_weight=self._replica_loss_weight,
+            options=self.communication.to_tensorflow(),
             forward_backward=self.__dict__.get("_keras_dist_forward_backward"),
-            weighting_by_examples=(
-                collectives_optimizer.weighting_by_examples
-                if self._distribute_strategy.num_replicas_in_sync > 1
-                and _compat.is_active("example_weighted_loss")
-                and collectives_optimizer.weighs_examples_in_all_reduce(getattr(self, "optimizer", None))
-                else None
-            ),
+            ride_along=collectives_optimizer.weighs_examples_in_all_reduce(getattr(self, "optimizer", None)),
             summed_metrics=_SummedMetrics(self),
         )
 
-    def _replica_loss_weight(self, num_examples):
-        """Returns `num_replicas_in_sync * local_examples / global_examples` (collective).
+    def test_step(self, data):
+        """Keras' `test_step`, with the logged loss the global batch's (each loss term by its own divisor)."""
+        if self._distribute_strategy.num_replicas_in_sync == 1 or not _compat.is_active("example_weighted_loss"):
+            return super().test_step(data)
+        return steps.test_step(self, data, options=self.communication.to_tensorflow())
 
-        Keras scales every replica's mean loss by `1 / num_replicas_in_sync`
-        before gradients are summed; multiplying by this weight turns that into
-        `local_examples / global_examples`, the weight of the global mean.
-        Regularization losses (same on every replica) still count exactly once,
-        since the weights sum to `num_replicas_in_sync`.
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        """Keras' `compute_loss`; inside a `train_step` of your own, made exact for the global batch.
+
+        Called from a `train_step`/`test_step` you wrote (keras.io's
+        "customizing what happens in fit"), it returns this replica's loss
+        such that the gradients `apply_gradients` sums, and a
+        `keras.metrics.Mean` tracker of it, are those of the global batch's
+        loss: with masks, `"sum"` reductions or sample-weight means, each
+        term counts by its own divisor (one small all-reduce). Elsewhere it
+        is Keras' own.
         """
-        num_replicas = self._distribute_strategy.num_replicas_in_sync
-        if num_replicas == 1 or not _compat.is_active("example_weighted_loss"):
-            return tf.constant(1.0)
-        local = tf.cast(num_examples, tf.float32)
-        total = tf.distribute.get_replica_context().all_reduce("SUM", local)
-        return tf.math.divide_no_nan(num_replicas * local, total)
+        step = step_state.current()
+        if step is None or not step.user_step:
+            return super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+        return steps.user_step_loss(
+            self,
+            lambda: super(DistributedModel, self).compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+            ),
+            step,
+            self.communication.to_tensorflow(),
+        )
+
+    @property
+    def custom_step_losses(self):
+        """String, what the losses of a `train_step`/`test_step` you wrote are: `"mean"` (the default) or `"global"`.
+
+        `"mean"`: as keras.io writes them, each replica's step computes the
+        mean loss of its own examples (`ops.mean`, `self.compute_loss`, a
+        `keras.losses.Loss`); keras-dist weights each replica's gradients by
+        its share of the global batch's examples, and scalar
+        `keras.metrics.Mean` trackers log the global batch's values.
+        `"global"`: as TensorFlow's distributed training guide writes them,
+        the step scales its own loss for the global batch
+        (`tf.nn.compute_average_loss(per_example, global_batch_size=...)`);
+        gradients are summed as they are and Keras' own loss scaling stays.
+        """
+        return self.__dict__.get("_keras_dist_custom_step_losses", "mean")
+
+    @custom_step_losses.setter
+    def custom_step_losses(self, value):
+        if value not in _CUSTOM_STEP_LOSSES:
+            raise ValueError(
+                f"`custom_step_losses` must be one of {_CUSTOM_STEP_LOSSES}. Received: custom_step_losses={value!r}. "
+                "Fix: 'mean' for a train_step that computes its replica's mean loss (keras.io), 'global' for one "
+                "that scales its loss for the global batch (tf.nn.compute_average_loss)."
+            )
+        self.__dict__["_keras_dist_custom_step_losses"] = value
+        self.train_function = self.test_function = None
+
+    def _user_step(self, step):
+        """`step` (a train or test step of the user's own) run as exact for the global batch (see `custom_step_losses`)."""
+        if (
+            self._distribute_strategy.num_replicas_in_sync == 1
+            or self.custom_step_losses == "global"
+            or not _compat.is_active("custom_step_example_weighting")
+        ):
+            return step
+
+        def run(data):
+            with steps.user_step(self, data, options=self.communication.to_tensorflow()):
+                return step(data)
+
+        return run
 
     def get_metrics_result(self):
         """Returns the metric results, computed from state summed over all replicas."""
@@ -528,7 +584,7 @@ class DistributedModel(keras.Model):
         An overriding step may return per-replica values (e.g. a loss tensor);
         those keep Keras' mean over the replicas.
         """
-        own = {"train_step": DistributedModel.train_step, "test_step": keras.Model.test_step}[step_name]
+        own = {"train_step": DistributedModel.train_step, "test_step": DistributedModel.test_step}[step_name]
         return getattr(type(self), step_name) is own and _compat.is_active("cross_replica_metrics")
 
     def _needs_replica_axis(self):
@@ -546,9 +602,12 @@ class DistributedModel(keras.Model):
             self.__dict__["_keras_dist_forward_backward"] = (
                 steps.compiled_forward_backward(self) if self.__dict__.get("_keras_dist_replica_jit_compile") else None
             )
+            train_step = self.train_step
+            if type(self).train_step is not DistributedModel.train_step:
+                train_step = self._user_step(train_step)
             self.train_function = steps.make_step_function(
                 self,
-                lambda data: self._reduce_in_replica_context(self.train_step(data)),
+                lambda data: self._reduce_in_replica_context(train_step(data)),
                 add_replica_axis=self._needs_replica_axis(),
                 synchronized_outputs=self._returns_synchronized_outputs("train_step"),
             )
@@ -557,9 +616,12 @@ class DistributedModel(keras.Model):
     def make_test_function(self, force=False):
         self._distribute_state()
         if self.test_function is None or force:
+            test_step = self.test_step
+            if type(self).test_step is not DistributedModel.test_step:
+                test_step = self._user_step(test_step)
             self.test_function = steps.make_step_function(
                 self,
-                lambda data: self._reduce_in_replica_context(self.test_step(data)),
+                lambda data: self._reduce_in_replica_context(test_step(data)),
                 add_replica_axis=self._needs_replica_axis(),
                 synchronized_outputs=self._returns_synchronized_outputs("test_step"),
             )

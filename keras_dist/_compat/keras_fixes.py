@@ -55,10 +55,27 @@ FIXES = {
             package="keras",
             affected=">=3.0",
             upstream="https://github.com/keras-team/keras/issues/15509 (also tensorflow/tensorflow#45594)",
-            symptom="A global batch split unevenly across replicas (e.g. the last batch) weights each "
-            "replica's mean loss by 1/num_replicas_in_sync, so the gradient is not the global mean's.",
-            remedy="Each replica's loss is scaled by its share of the global batch "
-            "(local examples / global examples) instead of 1/num_replicas_in_sync.",
+            symptom="Under a strategy Keras divides each replica's loss by num_replicas_in_sync: an uneven split "
+            "(the last batch), a masked loss (each replica's own token mean), a 'sum' or sample-weight-mean "
+            "reduction and a loss function returning one number (not divided at all: 2x on 2 replicas) give "
+            "another gradient and logged loss than the global batch's; per-output loss trackers average the "
+            "replicas' values.",
+            remedy="Each replica computes its loss as one device would; each loss term counts by its own "
+            "divisor's share (examples, unmasked tokens, sample weights, or 1 for sums), in the gradient "
+            "all-reduce when all are example means, else after one small all-reduce of the divisors.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="custom_step_example_weighting",
+            package="keras",
+            affected=">=3.0",
+            upstream="https://keras.io/guides/custom_train_step_in_tensorflow/ (written for one device; no upstream report found)",
+            symptom="A train_step written for one device (keras.io: its own ops.mean loss or self.compute_loss, "
+            "apply_gradients, Mean loss trackers) takes num_replicas_in_sync times the one-device step, "
+            "and logs the loss divided by num_replicas_in_sync when it uses compute_loss.",
+            remedy="While a user's train_step/test_step runs, Keras' loss scaling is off, each replica's "
+            "gradients count by its share of the global batch's examples, compute_loss counts each term by "
+            "its divisor, and scalar Mean tracker updates count by the example share.",
             remove_when=_OPEN,
         ),
         Fix(

@@ -16,79 +16,211 @@ from tensorflow.python.distribute.values import PerReplicaSpec
 
 from keras_dist._runtime import build_context
 from keras_dist._runtime import keras_internals as ki
+from keras_dist._runtime import loss_terms, step_state
 
 
-def train_step(model, data, *, replica_loss_weight, forward_backward=None, weighting_by_examples=None, summed_metrics=None):
-    """Runs Keras' TensorFlow `train_step` with a per-replica loss weight.
+def train_step(model, data, *, options, forward_backward=None, ride_along=False, summed_metrics=None):
+    """Keras' TensorFlow `train_step`, with every replica's loss counted as in the global batch's.
 
-    Identical to `keras.Model.train_step` on the TensorFlow backend (3.15), except
-    that the loss is multiplied by `replica_loss_weight(num_examples)` after the
-    loss tracker reads it and before gradients are taken, and that the forward
-    and backward pass may be a compiled function (`compiled_forward_backward`).
+    Each replica computes its loss exactly as one device would on its part
+    of the batch (Keras' `1 / num_replicas_in_sync` scaling is off), and the
+    loss is recorded term by term (`loss_terms`). Then one of two ways:
+
+    - every term is a mean over examples (compiled losses without masks, a
+      loss function returning one number, `add_loss`, regularizers) and the
+      optimizer can weight in the all-reduce (`ride_along`): the gradients
+      travel as `examples x gradient` with the example counts and the metric
+      state in one all-reduce, and are divided by the global examples there;
+    - otherwise (masks, `"sum"` reductions, `"mean_with_sample_weight"`,
+      several outputs with their loss trackers, a collective in `call`,
+      compression, accumulation): one small all-reduce first sums the
+      examples and each term's divisor, and each replica's loss becomes its
+      part of the global batch's loss (`loss_terms.global_surrogate`), whose
+      gradients are summed as they are.
 
     Args:
-        model: The `keras.Model` being trained.
+        model: The `keras.Model` being trained (several replicas in sync).
         data: One per-replica batch: `x`, `(x, y)` or `(x, y, sample_weight)`.
-        replica_loss_weight: Callable taking this replica's example count (int32
-            scalar tensor) and returning a float scalar multiplier.
-        forward_backward: `None` (the pass runs in the step's own graph) or
-            what `compiled_forward_backward(model)` returned.
-        weighting_by_examples: `None`, or a context manager factory taking
-            the example count (`keras_dist.collectives._optimizer.
-            weighting_by_examples`): the optimizer then weights this
-            replica's gradients in the gradient all-reduce itself, and
-            `replica_loss_weight` (a collective of its own) is not called.
+        options: `tf.distribute.experimental.CommunicationOptions` for the
+            small all-reduce of the counts and divisors.
+        forward_backward: `None`, or what `compiled_forward_backward(model)`
+            returned (XLA per replica: terms are weighted by examples).
+        ride_along: Boolean, the optimizer's `apply` can weight the
+            gradients by the example counts inside the gradient all-reduce
+            (`keras_dist.collectives._optimizer.weighs_examples_in_all_reduce`).
         summed_metrics: `None`, or an object with `variables()` (the metric
-            variables to sum over the replicas, or `None` when they cannot
-            be) and `results(variables, sums)` (the metric results from their
-            sums). With `weighting_by_examples`, the metric state is then
-            updated before the optimizer's `apply` (it depends only on `y`,
-            `y_pred` and `sample_weight`, so the numbers are the same) and
-            summed in the gradient all-reduce: one collective per step.
+            variables to sum in the gradient all-reduce, or `None` when they
+            cannot be) and `results(variables, sums)`. The metric state is
+            then updated before `apply` (it depends only on `y`, `y_pred` and
+            `sample_weight`) and summed with the gradients.
 
     Returns:
         Dict of metric results, as `model.compute_metrics` returns them.
 
     Distributed behavior:
-        Runs in replica context. `replica_loss_weight` may be a collective;
-        every replica calls it once per step (before a compiled forward and
-        backward pass, which cannot hold a collective), unless the example
-        counts travel in the gradient all-reduce (`weighting_by_examples`),
-        which is not done when `call` itself runs a collective.
+        Runs in replica context; every replica takes the same branch (it is
+        fixed when the step is traced), so every replica calls the same
+        collectives.
     """
     x, y, sample_weight = ki.unpack_x_y_sample_weight(data)
     num_examples = batch_size_of(x)
-    in_all_reduce = weighting_by_examples is not None
-    if forward_backward is not None:  # Compiled: `call` cannot hold a collective there.
-        loss_weight = tf.constant(1.0) if in_all_reduce else replica_loss_weight(num_examples)
-        y_pred, loss, gradients = forward_backward(x, y, sample_weight, loss_weight)
-    else:
-
-        def loss_weight(collectives_in_call):
-            # A collective in `call` (synchronized BatchNormalization, a cross-replica statistic) sends
-            # the gradient of every replica's loss back through it: weight the losses themselves then.
-            nonlocal in_all_reduce
-            in_all_reduce = in_all_reduce and not collectives_in_call
-            return tf.constant(1.0) if in_all_reduce else replica_loss_weight(num_examples)
-
-        y_pred, loss, gradients = _forward_backward(model, x, y, sample_weight, loss_weight)
-    model._loss_tracker.update_state(ki.unscale_loss_for_distribution(loss), sample_weight=num_examples)
-    if gradients is None:
-        warnings.warn("The model does not have any trainable weights.")
-        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    state = summed_metrics.variables() if in_all_reduce and summed_metrics is not None else None
-    if state is None:
-        with weighting_by_examples(num_examples) if in_all_reduce else contextlib.nullcontext():
+    step = step_state.ReplicaStep(step_state.SUM, num_examples=num_examples)
+    with step_state.running(step):
+        if forward_backward is not None:  # Compiled: `call` cannot hold a collective there.
+            if ride_along:
+                share = tf.constant(1.0)
+                step.weighting = step_state.EXAMPLES_IN_ALL_REDUCE
+            else:
+                step.global_examples = _sum_over_replicas(tf.reshape(tf.cast(num_examples, tf.float32), [1]), options)[0]
+                share = step.example_share()
+            y_pred, loss, gradients = forward_backward(x, y, sample_weight, share)
+            loss = _zero_when_empty(loss, num_examples)
+            model._loss_tracker.update_state(loss, sample_weight=num_examples)
+        else:
+            y_pred, loss, gradients = _exact_forward_backward(model, x, y, sample_weight, step, ride_along, options)
+        if gradients is None:
+            warnings.warn("The model does not have any trainable weights.")
+            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        state = summed_metrics.variables() if summed_metrics is not None else None
+        if state is None:
             model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
-        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    if model._compile_metrics is not None:  # What Keras' `compute_metrics` does, before `apply` here.
-        model._compile_metrics.update_state(y, y_pred, sample_weight)
-    local_state = [tf.convert_to_tensor(v.value) for v in state]  # This replica's, read after the updates.
-    with weighting_by_examples(num_examples, extras=local_state) as request:
+            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if model._compile_metrics is not None:  # What Keras' `compute_metrics` does, before `apply` here.
+            model._compile_metrics.update_state(y, y_pred, sample_weight)
+        step.extras = [tf.convert_to_tensor(v.value) for v in state]  # This replica's, read after the updates.
         model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
-    if request.extras_sums is None:  # `apply` did not all-reduce (not reached with keras-dist's optimizer).
+    if step.extras_sums is None:  # `apply` did not all-reduce (not reached with keras-dist's optimizer).
         return model.get_metrics_result()
-    return summed_metrics.results(state, request.extras_sums)
+    return summed_metrics.results(state, step.extras_sums)
+
+
+def test_step(model, data, *, options):
+    """Keras' TensorFlow `test_step`, with the logged loss the global batch's (see `train_step`).
+
+    Args:
+        model: The `keras.Model` (several replicas in sync).
+        data: One per-replica batch.
+        options: `tf.distribute.experimental.CommunicationOptions` for the
+            small all-reduce of the counts and divisors (only when a loss
+            term is not a mean over examples).
+
+    Returns:
+        Dict of metric results, as `model.compute_metrics` returns them.
+    """
+    x, y, sample_weight = ki.unpack_x_y_sample_weight(data)
+    num_examples = batch_size_of(x)
+    with step_state.running(step_state.ReplicaStep(step_state.SUM, num_examples=num_examples)):
+        with loss_terms.recording(model) as record:
+            y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+            loss = _zero_when_empty(loss, num_examples)  # Inside: the record's tape sees the total.
+        if record.all_weighted_by_examples():
+            model._loss_tracker.update_state(loss, sample_weight=num_examples)
+        else:
+            _global_loss(model, record, loss, num_examples, options)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+@contextlib.contextmanager
+def user_step(model, data, *, options):
+    """Runs a `train_step`/`test_step` the user wrote for one device (the block) as exact for the global batch.
+
+    keras.io writes such a step with its replica's own mean loss
+    (`ops.mean(...)`, `self.compute_loss(...)`, a `keras.losses.Loss`),
+    `tape.gradient`, `optimizer.apply_gradients` (once per optimizer: a GAN
+    has two) and `keras.metrics.Mean` loss trackers. While the block runs on
+    this replica:
+    - Keras' `1 / num_replicas_in_sync` loss scaling is off (one device's
+      numbers on this replica's examples);
+    - the optimizer weights this replica's gradients by its share of the
+      global batch's examples before summing them (one small all-reduce of
+      the example counts, here, before the step);
+    - `DistributedModel.compute_loss` returns `global examples / examples x`
+      this replica's part of the global batch's loss (`user_step_loss`);
+    - a scalar `keras.metrics.Mean.update_state(value)` counts the value by
+      this replica's example share, so that the tracker's result (summed over
+      the replicas, or averaged as Keras does with the values a step
+      returns) is the mean of the global batch's values.
+
+    Args:
+        model: The `keras.Model` whose overridden step runs in the block.
+        data: The per-replica batch handed to the step (its first leaf's
+            leading dimension counts the examples).
+        options: `tf.distribute.experimental.CommunicationOptions`.
+
+    Yields:
+        The `step_state.ReplicaStep` registered for this replica.
+    """
+    x, _, _ = ki.unpack_x_y_sample_weight(data)
+    num_examples = batch_size_of(x) if tree.flatten(x) else tf.constant(0)
+    count = tf.reshape(tf.cast(num_examples, tf.float32), [1])
+    step = step_state.ReplicaStep(
+        step_state.EXAMPLES,
+        num_examples=num_examples,
+        global_examples=_sum_over_replicas(count, options)[0],
+        user_step=True,
+    )
+    loss_terms.one_device_scaling_installed()
+    with step_state.running(step):
+        yield step
+
+
+def user_step_loss(model, compute_loss, step, options):
+    """`compute_loss()` inside a user's step (`user_step`), made exact for the global batch.
+
+    Returns `global examples / examples x` this replica's part of the global
+    batch's loss: the loss itself when every term is a mean over examples;
+    otherwise (masks, `"sum"` reductions, sample-weight means) each term is
+    counted by its own divisor, summed over the replicas in one small
+    all-reduce. The optimizer then weights the gradients by the example share
+    (`user_step`), which makes them those of the global batch's loss; a
+    scalar `Mean` tracker of the value logs the global batch's loss.
+    Per-output loss trackers get the global values (`loss_terms.update_trackers`).
+    """
+    with loss_terms.recording(model) as record:
+        loss = _zero_when_empty(compute_loss(), step.num_examples)  # Inside: the record's tape sees the total.
+    if record.all_weighted_by_examples():
+        return loss
+    share = step.example_share()
+    divisors = loss_terms.divisors_to_sum(record)
+    summed = _sum_over_replicas(divisors, options) if divisors.shape[0] else divisors
+    shares = loss_terms.term_shares(record, share, summed)
+    part = loss_terms.global_surrogate(record, loss, share, shares)
+    loss_terms.update_trackers(record, shares, model.distribute_strategy.num_replicas_in_sync)
+    return tf.math.divide_no_nan(part, tf.cast(share, part.dtype))
+
+
+def _sum_over_replicas(vector, options):
+    """float32 `vector` summed over all replicas (one small all-reduce; no gradient through it)."""
+    context = tf.distribute.get_replica_context()
+    return tf.stop_gradient(context.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(vector), options=options))
+
+
+def _zero_when_empty(loss, num_examples):
+    """`loss`, or 0 on a replica without examples (a loss function's own mean is NaN there; its gradient is not)."""
+    return tf.where(num_examples > 0, loss, tf.zeros_like(loss))
+
+
+def _global_loss(model, record, loss, num_examples, options):
+    """Returns this replica's part of the global batch's loss, and gives the loss trackers the global values.
+
+    One all-reduce sums the examples and the terms' divisors. The main loss
+    tracker gains `global examples x part` and `examples` (summed over the
+    replicas: the global batch's loss weighted by its examples, as Keras
+    weights each batch on one device); each per-output tracker its term's
+    global value (`loss_terms.update_trackers`).
+    """
+    count = tf.reshape(tf.cast(num_examples, tf.float32), [1])
+    summed = _sum_over_replicas(tf.concat([count, loss_terms.divisors_to_sum(record)], 0), options)
+    global_examples = summed[0]
+    share = tf.math.divide_no_nan(count[0], global_examples)
+    shares = loss_terms.term_shares(record, share, summed[1:])
+    part = loss_terms.global_surrogate(record, loss, share, shares)
+    loss_terms.update_trackers(record, shares, model.distribute_strategy.num_replicas_in_sync)
+    tracker = model._loss_tracker
+    tracker.total.assign_add(tf.cast(global_examples * tf.cast(part, tf.float32), tracker.total.dtype))
+    tracker.count.assign_add(tf.cast(count[0], tracker.count.dtype))
+    return part, global_examples
 
 
 @contextlib.contextmanager
@@ -126,8 +258,8 @@ def _forward_backward(model, x, y, sample_weight, loss_weight, *, scope=None, co
     `loss` is the replica's loss before `loss_weight` and loss scaling;
     `gradients` (one per `model.trainable_weights`, or `None` when there are
     none) are of the weighted, scaled loss. `loss_weight` is a float scalar
-    tensor, or a callable taking whether the forward pass ran a collective
-    (boolean, known when traced) and returning it. `scope`: optional callable
+    tensor (the replica's example share, or 1 when the all-reduce weights
+    by examples). Used by the XLA pass (`compiled_forward_backward`). `scope`: optional callable
     returning a context manager entered inside the tape around the forward
     pass and the loss; `collective_refusal`: a message, raised as
     `ValueError` if `call` starts a collective.
@@ -136,13 +268,41 @@ def _forward_backward(model, x, y, sample_weight, loss_weight, *, scope=None, co
         with (scope or contextlib.nullcontext)(), _observing_collectives(collective_refusal) as collectives:
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-        if callable(loss_weight):
-            loss_weight = loss_weight(bool(collectives))
         weighted = loss * tf.cast(loss_weight, loss.dtype)
         if model.optimizer is not None:
             weighted = model.optimizer.scale_loss(weighted)
     trainable_weights = model.trainable_weights
     gradients = tape.gradient(weighted, trainable_weights) if trainable_weights else None
+    return y_pred, loss, gradients
+
+
+def _exact_forward_backward(model, x, y, sample_weight, step, ride_along, options):
+    """Returns `(y_pred, loss, gradients)` of one replica, its gradients those of its part of the global loss.
+
+    Sets `step.weighting` (and `step.num_examples` / `step.global_examples`)
+    to tell the optimizer's all-reduce how to sum the gradients; updates the
+    loss trackers. `loss` is this replica's loss as one device computes it on
+    its examples (0 without examples).
+    """
+    num_examples = step.num_examples
+    with tf.GradientTape() as tape:
+        with loss_terms.recording(model) as record, _observing_collectives() as collectives:
+            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            loss = _zero_when_empty(loss, num_examples)  # Inside: the record's tape sees the total.
+        if ride_along and not collectives and record.all_weighted_by_examples():
+            # A collective in `call` (synchronized BatchNormalization) sends the gradient of every replica's loss
+            # back through it: the losses themselves are weighted then, below.
+            step.weighting = step_state.EXAMPLES_IN_ALL_REDUCE
+            model._loss_tracker.update_state(loss, sample_weight=num_examples)
+            to_differentiate = loss
+        else:
+            to_differentiate, step.global_examples = _global_loss(model, record, loss, num_examples, options)
+            step.weighting = step_state.SUM
+        if model.optimizer is not None:
+            to_differentiate = model.optimizer.scale_loss(to_differentiate)
+    trainable_weights = model.trainable_weights
+    gradients = tape.gradient(to_differentiate, trainable_weights) if trainable_weights else None
     return y_pred, loss, gradients
 
 

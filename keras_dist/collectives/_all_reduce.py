@@ -69,8 +69,9 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         num_examples: Optional int32 scalar tensor, this replica's examples.
             When given, each replica's gradients count by its share of the
             examples: the replicas send `num_examples x gradient` and
-            `num_examples`, and the sums are scaled by
-            `num_replicas_in_sync / total examples`. Not with compression
+            `num_examples`, and the sums are divided by the total examples
+            (each replica's gradient is then that of its own mean loss, as
+            one device computes it). Not with compression
             (a scaled gradient could overflow float16).
         extras: List of float32 tensors (any shapes) to sum over the replicas
             along with the gradients, e.g. metric state.
@@ -127,7 +128,7 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         checks = [assert_same_gradient_kinds(side_sums.pop(), context.num_replicas_in_sync, names)]
     if num_examples is not None:
         total = side_sums.pop()[0]
-        factor = tf.math.divide_no_nan(float(context.num_replicas_in_sync), total)
+        factor = tf.math.divide_no_nan(1.0, total)
     if not together and to_send:
         with tf.control_dependencies(checks):  # Nothing is sent before the workers agree.
             to_send = [_after_checks(v) for v in to_send]

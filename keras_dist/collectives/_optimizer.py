@@ -1,7 +1,6 @@
 """`distributed_optimizer`: a Keras optimizer that sums gradients over replicas before it applies them."""
 
 import contextlib
-import threading
 import types
 
 import tensorflow as tf
@@ -9,6 +8,7 @@ import tensorflow as tf
 from keras_dist import _compat
 from keras_dist._runtime import accumulation
 from keras_dist._runtime import keras_internals as ki
+from keras_dist._runtime import step_state
 from keras_dist._runtime import variables as variables_module
 from keras_dist.collectives import _all_reduce
 from keras_dist.collectives._options import CommunicationOptions
@@ -16,7 +16,6 @@ from keras_dist.collectives._options import CommunicationOptions
 _OPTIONS = "_keras_dist_communication"
 _SUMS = "_keras_dist_gradient_sums"
 _SUMS_VARIABLES = "_keras_dist_gradient_sums_variables"
-_STEP_ALL_REDUCE = threading.local()  # A `StepAllReduce` per replica thread (MirroredStrategy runs each replica in its own).
 
 
 def distributed_optimizer(optimizer, communication=None):
@@ -133,8 +132,9 @@ def weighs_examples_in_all_reduce(optimizer):
 
     True for a `distributed_optimizer` that sums every step (no gradient
     accumulation, no compression). Then `train_step` need not all-reduce the
-    example counts before the forward pass: inside `weighting_by_examples`,
-    the counts travel in the gradients' own all-reduce.
+    example counts before the forward pass: when the step says so
+    (`step_state.EXAMPLES_IN_ALL_REDUCE`), the counts travel in the
+    gradients' own all-reduce.
     """
     apply = optimizer.__dict__.get("apply") if optimizer is not None else None
     return (
@@ -144,52 +144,6 @@ def weighs_examples_in_all_reduce(optimizer):
         and not accumulation.accumulates_anywhere(optimizer)
         and optimizer.__dict__[_OPTIONS].compression is None
     )
-
-
-class StepAllReduce:
-    """What one replica's step sends along with its gradients (see `weighting_by_examples`).
-
-    Attributes:
-        num_examples: int32 scalar tensor, this replica's examples.
-        extras: List of float32 tensors to sum over the replicas in the
-            gradient all-reduce.
-        extras_sums: After the optimizer's `apply`: the sums, one tensor per
-            `extras` entry, equal on every replica; `None` while no all-reduce
-            has carried them.
-    """
-
-    def __init__(self, num_examples, extras=()):
-        self.num_examples = num_examples
-        self.extras = list(extras)
-        self.extras_sums = None
-
-
-@contextlib.contextmanager
-def weighting_by_examples(num_examples, extras=()):
-    """Within it, this replica's `apply` weights its gradients by `num_examples` (int32 scalar tensor).
-
-    Each replica sends `num_examples x gradient` and `num_examples` in one
-    all-reduce and the sum is scaled by `num_replicas_in_sync / total
-    examples`: the gradient of the global batch's mean loss when each
-    replica's loss is Keras' `mean / num_replicas_in_sync`, as
-    `DistributedModel._replica_loss_weight` gives it with a separate
-    all-reduce. Only for an optimizer `weighs_examples_in_all_reduce` accepts.
-
-    Args:
-        num_examples: int32 scalar tensor, this replica's examples.
-        extras: List of float32 tensors (e.g. metric state) summed over the
-            replicas in the same all-reduce.
-
-    Yields:
-        A `StepAllReduce`; its `extras_sums` hold the sums once `apply` ran.
-    """
-    previous = getattr(_STEP_ALL_REDUCE, "value", None)
-    request = StepAllReduce(num_examples, extras)
-    _STEP_ALL_REDUCE.value = request
-    try:
-        yield request
-    finally:
-        _STEP_ALL_REDUCE.value = previous
 
 
 def _apply_summed(optimizer, grads, trainable_variables=None):
@@ -208,6 +162,11 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     accumulating = accumulation.accumulates_anywhere(optimizer) and _compat.is_active(
         "gradient_accumulation_under_strategy"
     )
+    # The step running on this replica says how its gradients count (`step_state`); none: summed as given
+    # (a custom training loop that scales its loss for the global batch, as TensorFlow's guide does).
+    step = step_state.current()
+    if step is not None and step.weighting == step_state.EXAMPLES:  # A user's step: its replica's mean loss.
+        grads = [_by_share(g, step) for g in grads]
     sums = optimizer.__dict__.get(_SUMS)
     names = [getattr(v, "path", None) or v.name for v in variables] if variables_module.is_multi_worker(context.strategy) else None
     with ki.gradients_already_reduced(optimizer):
@@ -225,13 +184,14 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
                 check_input=None if names is None else _all_reduce.gradient_kinds(grads),
             )
             return
-        request = getattr(_STEP_ALL_REDUCE, "value", None) if not accumulating else None
+        request = step if step is not None and not accumulating else None
+        in_all_reduce = request is not None and request.weighting == step_state.EXAMPLES_IN_ALL_REDUCE
         grads, extras_sums = _all_reduce.all_reduce_gradients(
             grads,
             options,
             names=names,
-            num_examples=None if request is None else request.num_examples,
-            extras=() if request is None else request.extras,
+            num_examples=request.num_examples if in_all_reduce else None,
+            extras=request.extras if request is not None else (),
         )
         if request is not None:
             request.extras_sums = extras_sums
@@ -239,6 +199,16 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
             ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
         else:
             keras_apply(optimizer, grads, variables)
+
+
+def _by_share(gradient, step):
+    """`gradient` times this replica's example share (0 on a replica without examples, whatever the gradient)."""
+    if gradient is None:
+        return None
+    share = step.example_share()
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(share, gradient.values.dtype), gradient.indices, gradient.dense_shape)
+    return tf.where(step.num_examples > 0, gradient * tf.cast(share, gradient.dtype), tf.zeros_like(gradient))
 
 
 def _check_in_cross_replica_context(strategy, kinds, options, names):

@@ -132,7 +132,7 @@ def _fit(model, x, y, **compile_kwargs):
         ("own_compute_metrics", 1, 1),  # Overridden compute_metrics: metric sums after apply.
         ("float64_metric", 1, 1),  # A float64 metric variable: the same.
         ("metric_of_ones_own", 1, 1),  # A compiled metric class of one's own (here it reads the weights): the same.
-        ("fp16_compression", 2, 1),  # Compression: the counts first (loss weighting), then float16 gradients.
+        ("fp16_compression", 3, 0),  # Compression: the counts first (loss weighting), then the metric state, then float16 gradients.
     ],
 )
 def test_what_rides_with_the_gradients_matches_one_device(multi_replica_strategy, variant, all_reduces, metrics_after_apply):
@@ -186,9 +186,9 @@ def test_non_float32_gradients_send_counts_in_their_own_all_reduce(mirrored_1x2_
 
     (summed, missing), extras = step()
     assert missing is None
-    # (3 x 1 + 1 x 2) x 2 replicas / 4 examples = 2.5, in float16.
+    # (3 x 1 + 1 x 2) / 4 examples = 1.25, in float16.
     for value in mirrored_1x2_cpu.experimental_local_results(summed):
         assert value.dtype == tf.float16
-        np.testing.assert_allclose(value.numpy(), [2.5] * 4)
+        np.testing.assert_allclose(value.numpy(), [1.25] * 4)
     for value in mirrored_1x2_cpu.experimental_local_results(extras[0]):
         np.testing.assert_allclose(value.numpy(), np.full([2, 3], 2.0))

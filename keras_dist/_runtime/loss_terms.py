@@ -1,0 +1,314 @@
+"""Layer 3: the terms a Keras loss is made of, recorded while a replica computes it.
+
+Keras reduces every loss to one number per replica in
+`keras.src.losses.loss.reduce_weighted_values`, each with its own divisor:
+the elements of the per-example losses (`"sum_over_batch_size"`), the
+unmasked tokens (a mask), the sample weights' sum
+(`"mean_with_sample_weight"`), or none (`"sum"`); a loss function that returns
+one number is taken as it is. The global batch's loss is, per term,
+`sum_r(S_r) / sum_r(D_r)`, which no weighting of the replicas' values by
+their example counts alone gives once the divisors are not proportional to
+the examples. Under a strategy Keras also divides each reduced loss by
+`num_replicas_in_sync` (`scale_loss_for_distribution`), but not a loss
+function's own scalar (shared/cases/real r02: the gradient doubles on 2
+replicas).
+
+What this module does, while a keras-dist step runs on a replica (its
+`step_state.ReplicaStep` is registered):
+- Keras' distribution scaling is off (`scale_loss_for_distribution` and its
+  inverse are the identity), so each replica computes exactly what one
+  device computes on its part of the batch;
+- inside `recording(model)`, every reduction is recorded as a `LossTerm`
+  (its value, how it is weighted across replicas, its divisor), and the
+  per-output loss trackers' states are noted before Keras updates them, so
+  that the step can give them the global batch's value instead.
+`global_surrogate` then builds the per-replica loss whose sum over the
+replicas is the global batch's loss, in value and in gradient.
+
+The functions of `keras.src.losses.loss` are replaced by dispatchers once, the
+first time a keras-dist step needs them; outside a keras-dist step they call
+Keras' own, unchanged.
+"""
+
+import contextlib
+import dataclasses
+import threading
+
+import tensorflow as tf
+from keras import ops
+from keras.src.losses import loss as keras_loss
+from keras.src.metrics import reduction_metrics
+
+from keras_dist._runtime import step_state
+
+EXAMPLES = "examples"  # Weighted by the replica's share of the examples (a mean over examples).
+DIVISOR = "divisor"  # Weighted by the replica's share of the term's own divisor (tokens, weights).
+SUM = "sum"  # Counted as it is (a sum over the examples).
+
+_ORIGINAL = {
+    "reduce_weighted_values": keras_loss.reduce_weighted_values,
+    "scale_loss_for_distribution": keras_loss.scale_loss_for_distribution,
+    "unscale_loss_for_distribution": keras_loss.unscale_loss_for_distribution,
+    "mean_update_state": reduction_metrics.Mean.update_state,
+}
+_RECORDS = {}  # id(replica context) -> LossRecord, inside `recording`.
+_INSTALL_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass
+class LossTerm:
+    """One reduced loss of one replica.
+
+    Attributes:
+        value: Float scalar tensor, the reduced loss as one device computes it
+            on this replica's examples (non-scalar for `reduction=None`).
+        kind: `EXAMPLES`, `DIVISOR` or `SUM`.
+        divisor: float32 scalar tensor (for `DIVISOR`): this replica's part of
+            the divisor Keras divided by (unmasked elements, or the sample
+            weights' sum).
+        proportional: Boolean, known when traced: the divisor is the
+            replica's examples times a constant (no mask, a static
+            per-example shape), so `EXAMPLES` weighting is exact for it.
+    """
+
+    value: object
+    kind: str
+    divisor: object = None
+    proportional: bool = False
+
+    @property
+    def weighted_by_examples(self):
+        return self.kind == EXAMPLES or (self.kind == DIVISOR and self.proportional)
+
+
+@dataclasses.dataclass
+class TrackerUpdate:
+    """A per-output loss tracker (`keras.metrics.Mean`) Keras updates in `CompileLoss`, with its state before."""
+
+    tracker: object
+    term: int  # Index in `LossRecord.terms` of the loss it tracks, or -1.
+    total: object
+    count: object
+
+
+@dataclasses.dataclass
+class LossRecord:
+    """What `recording` saw: the loss terms in order, and the per-output tracker updates."""
+
+    model: object
+    terms: list = dataclasses.field(default_factory=list)
+    trackers: list = dataclasses.field(default_factory=list)
+    tape: object = None
+
+    def all_weighted_by_examples(self):
+        """Whether every term is a mean over examples and no per-output tracker needs the global batch."""
+        return not self.trackers and all(t.weighted_by_examples for t in self.terms)
+
+
+def _key():
+    context = tf.distribute.get_replica_context()
+    if context is None or tf.distribute.in_cross_replica_context():
+        return None
+    return id(context)
+
+
+def _install():
+    with _INSTALL_LOCK:
+        if keras_loss.reduce_weighted_values is not _recording_reduce_weighted_values:
+            keras_loss.reduce_weighted_values = _recording_reduce_weighted_values
+            keras_loss.scale_loss_for_distribution = _scale_loss_for_distribution
+            keras_loss.unscale_loss_for_distribution = _unscale_loss_for_distribution
+            reduction_metrics.Mean.update_state = _mean_update_state
+
+
+def one_device_scaling_installed():
+    """Installs the dispatchers (idempotent): inside a keras-dist step, Keras' distribution scaling is off."""
+    _install()
+
+
+def _scale_loss_for_distribution(value):
+    if step_state.current() is not None:
+        return value
+    return _ORIGINAL["scale_loss_for_distribution"](value)
+
+
+def _unscale_loss_for_distribution(value):
+    if step_state.current() is None:
+        return _ORIGINAL["unscale_loss_for_distribution"](value)
+    record = _RECORDS.get(_key())
+    if record is not None:
+        _note_tracker(record)
+    return value
+
+
+def _mean_update_state(self, values, sample_weight=None):
+    """`keras.metrics.Mean.update_state`; inside a user's step, a scalar without weight counts by the example share.
+
+    On one device a loss tracker gains the batch's loss and a count of one per
+    batch. On a replica it gains `replicas x share x value` with weight
+    `1 / replicas`: summed over the replicas (Keras' epoch logs) that is the
+    global batch's mean of the values with a count of one, and so is the mean
+    over the replicas of each replica's result (the logs a step returns).
+    """
+    original = _ORIGINAL["mean_update_state"]
+    step = step_state.current()
+    if step is None or not step.user_step or sample_weight is not None or type(self).update_state is not _mean_update_state:
+        return original(self, values, sample_weight)
+    values = tf.convert_to_tensor(values)
+    num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+    if values.shape.rank != 0 or num_replicas == 1:
+        return original(self, values, sample_weight)
+    value = tf.where(step.num_examples > 0, tf.cast(values, self.dtype), tf.zeros([], self.dtype))
+    share = tf.cast(step.example_share(), self.dtype)
+    return original(self, value * share * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
+
+
+def _note_tracker(record):
+    """Called where `CompileLoss` is about to update its i-th per-output tracker: note the tracker's state."""
+    compile_loss = getattr(record.model, "_compile_loss", None)
+    trackers = list(getattr(compile_loss, "metrics", None) or [])
+    index = len(record.trackers)
+    if index >= len(trackers):
+        return
+    tracker = trackers[index]
+    record.trackers.append(
+        TrackerUpdate(
+            tracker,
+            len(record.terms) - 1,
+            tf.convert_to_tensor(tracker.total.value),
+            tf.convert_to_tensor(tracker.count.value),
+        )
+    )
+
+
+def _recording_reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
+    result = _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
+    record = _RECORDS.get(_key()) if step_state.current() is not None else None
+    if record is None:
+        return result
+    record.terms.append(_term(result, values, sample_weight, mask, reduction, dtype))
+    if record.tape is not None and tf.is_tensor(result):
+        record.tape.watch(result)
+    return result
+
+
+def _term(result, values, sample_weight, mask, reduction, dtype):
+    """The `LossTerm` of one `reduce_weighted_values(values, sample_weight, mask, reduction, dtype)` call."""
+    reduction = keras_loss.standardize_reduction(reduction)
+    values = ops.convert_to_tensor(values, dtype=dtype)
+    if reduction in (None, "none"):
+        return LossTerm(result, SUM)  # Summed by whoever reduces it: its gradient is the sum's.
+    if tuple(values.shape) in ((), (0,)):
+        return LossTerm(result, EXAMPLES)  # A loss function that reduced its own values (keras.io: ops.mean).
+    if reduction == "sum":
+        return LossTerm(result, SUM)
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    if mask is not None:
+        mask = ops.convert_to_tensor(mask, dtype=dtype)
+    weight = keras_loss.apply_mask(sample_weight, mask, dtype=values.dtype, reduction=reduction)
+    weighted = values
+    if weight is not None:
+        weighted, weight = keras_loss.squeeze_or_expand_to_same_rank(values, ops.cast(weight, values.dtype))
+        weighted = weighted * weight
+    if reduction == "mean_with_sample_weight" and weight is not None:
+        return LossTerm(result, DIVISOR, tf.cast(tf.reduce_sum(weight), tf.float32), proportional=False)
+    divisor = tf.cast(tf.size(weighted), tf.float32)
+    if mask is not None:  # Keras weights the unmasked entries by total / valid: the divisor is the valid share.
+        total = tf.cast(tf.size(mask), tf.float32)
+        valid = tf.reduce_sum(tf.cast(tf.cast(mask, "bool"), tf.float32))
+        divisor = tf.math.divide_no_nan(divisor * valid, total)
+    proportional = mask is None and weighted.shape.rank is not None and weighted.shape[1:].is_fully_defined()
+    return LossTerm(result, DIVISOR, divisor, proportional=proportional)
+
+
+@contextlib.contextmanager
+def recording(model):
+    """Records the loss terms this replica computes while the block runs (inside a keras-dist step).
+
+    Yields:
+        A `LossRecord`, filled as Keras reduces each loss. Its `tape` watches
+        every term's value, so that `loss_weights` can find how much each
+        term counts in the total.
+    """
+    _install()
+    key = _key()
+    record = LossRecord(model)
+    if key is None:
+        yield record
+        return
+    previous = _RECORDS.get(key)
+    _RECORDS[key] = record
+    try:
+        with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
+            record.tape = tape
+            yield record
+    finally:
+        record.tape = tape
+        if previous is None:
+            _RECORDS.pop(key, None)
+        else:
+            _RECORDS[key] = previous
+
+
+def divisors_to_sum(record):
+    """float32 vector: this replica's divisors of the terms not weighted by examples, in term order."""
+    parts = [tf.reshape(t.divisor, [1]) for t in record.terms if t.kind == DIVISOR and not t.proportional]
+    return tf.concat(parts, 0) if parts else tf.zeros([0], tf.float32)
+
+
+def term_shares(record, example_share, summed_divisors):
+    """Per term, this replica's weight in the global batch's loss (float32 scalars).
+
+    Args:
+        record: The `LossRecord`.
+        example_share: float32 scalar, this replica's examples / the global batch's.
+        summed_divisors: float32 vector, `divisors_to_sum(record)` summed over the replicas.
+    """
+    shares, i = [], 0
+    for term in record.terms:
+        if term.weighted_by_examples:
+            shares.append(example_share)
+        elif term.kind == SUM:
+            shares.append(tf.constant(1.0))
+        else:
+            shares.append(tf.math.divide_no_nan(term.divisor, summed_divisors[i]))
+            i += 1
+    return shares
+
+
+def global_surrogate(record, total, example_share, shares):
+    """This replica's part of the global batch's loss: summed over the replicas it is that loss, value and gradient.
+
+    `total` is this replica's loss as one device computes it on its examples;
+    every part of it that is not a recorded term (regularizers, `add_loss`)
+    counts by `example_share` (the regularizers, the same on every replica,
+    then count once in all). Each recorded term counts by its own share
+    instead: `(share - example_share) x d total / d term x term` is added.
+    """
+    surrogate = tf.cast(example_share, total.dtype) * total
+    adjust = [(i, t) for i, t in enumerate(record.terms) if not t.weighted_by_examples]
+    if not adjust:
+        return surrogate
+    values = [t.value for _, t in adjust]
+    weights = record.tape.gradient(total, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    for (i, term), weight in zip(adjust, weights):
+        delta = tf.cast(shares[i] - example_share, total.dtype)
+        surrogate += delta * tf.reduce_sum(tf.stop_gradient(tf.cast(weight, total.dtype)) * tf.cast(term.value, total.dtype))
+    return surrogate
+
+
+def update_trackers(record, shares, num_replicas):
+    """Gives each per-output loss tracker this batch's global value: `total += share x term`, `count += 1 / replicas`.
+
+    Summed over the replicas, each tracker gains the term's global-batch value
+    and a count of one, as a one-device `CompileLoss` adds per batch in a
+    traced step (its sample weight, the static batch size, is unknown there).
+    """
+    for update in record.trackers:
+        if update.term < 0:
+            continue
+        term = record.terms[update.term]
+        contribution = tf.cast(shares[update.term], tf.float32) * tf.cast(tf.reduce_sum(term.value), tf.float32)
+        update.tracker.total.assign(update.total + tf.cast(contribution, update.tracker.total.dtype))
+        update.tracker.count.assign(update.count + tf.cast(1.0 / num_replicas, update.tracker.count.dtype))

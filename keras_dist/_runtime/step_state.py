@@ -1,0 +1,93 @@
+"""Layer 3: `ReplicaStep`, what one replica's step tells the gradient all-reduce (the one side channel).
+
+Keras' `optimizer.apply_gradients(...)` is called from inside a step: keras-dist's
+own `train_step`, or a `train_step` the user wrote for one device. Its
+arguments carry only the gradients; how each replica's gradients count in the
+sum (by its share of the examples, or as they are) and what else travels in
+the same all-reduce (example counts, metric state) is decided by the step.
+The step registers one `ReplicaStep` per replica for its duration and the
+optimizer's `apply` (`keras_dist.collectives._optimizer`) reads it: the shape of
+Accelerate's `GradientState` (`src/accelerate/state.py`), keyed by the replica
+context instead of held in a thread-local, so that every replica thread of a
+`MirroredStrategy` finds its own.
+
+Everything here runs when a step is traced (graph mode) or run eagerly; the
+tensors are the replica's own.
+"""
+
+import contextlib
+import dataclasses
+
+import tensorflow as tf
+
+# How the gradients a step hands to `apply` count in the cross-replica sum.
+SUM = "sum"  # Already weighted for the global batch: summed as given.
+EXAMPLES_IN_ALL_REDUCE = "examples_in_all_reduce"  # Gradients of this replica's mean: weighted by `num_examples / total` inside the all-reduce.
+EXAMPLES = "examples"  # Gradients of this replica's mean: scaled by `num_examples / global_examples` before the sum.
+
+_STEPS = {}  # id(replica context) -> ReplicaStep, while a step runs on that replica.
+
+
+@dataclasses.dataclass
+class ReplicaStep:
+    """One replica's step, as the gradient all-reduce needs to know it.
+
+    Attributes:
+        weighting: `SUM`, `EXAMPLES_IN_ALL_REDUCE` or `EXAMPLES` (see above).
+        num_examples: int32 scalar tensor, this replica's examples in the step.
+        global_examples: float32 scalar tensor, the examples of all replicas
+            (for `EXAMPLES`; known before the step's forward pass), or `None`.
+        extras: List of float32 tensors to sum over the replicas in the
+            gradient all-reduce (e.g. metric state), or empty.
+        extras_sums: Set by the all-reduce: one tensor per `extras` entry,
+            equal on every replica; `None` while no all-reduce carried them.
+        user_step: Boolean, the step is one the user wrote (`train_step` or
+            `test_step` overridden): `compute_loss` and scalar `Mean` updates
+            inside it are made exact for the global batch.
+    """
+
+    weighting: str
+    num_examples: object = None
+    global_examples: object = None
+    extras: list = dataclasses.field(default_factory=list)
+    extras_sums: object = None
+    user_step: bool = False
+
+    def example_share(self):
+        """float32 scalar `num_examples / global_examples` (0 when the global batch is empty)."""
+        return tf.math.divide_no_nan(tf.cast(self.num_examples, tf.float32), tf.cast(self.global_examples, tf.float32))
+
+
+def _key():
+    context = tf.distribute.get_replica_context()
+    if context is None or tf.distribute.in_cross_replica_context():
+        return None
+    return id(context)
+
+
+def current():
+    """The `ReplicaStep` of the step running on this replica, or `None` (no step, or cross-replica context)."""
+    key = _key()
+    return None if key is None else _STEPS.get(key)
+
+
+@contextlib.contextmanager
+def running(step):
+    """Registers `step` (a `ReplicaStep`) for this replica context while the block runs.
+
+    Re-entrant: an inner step (a user `train_step` calling keras-dist's own)
+    shadows the outer one and restores it on exit.
+    """
+    key = _key()
+    if key is None:
+        yield step
+        return
+    previous = _STEPS.get(key)
+    _STEPS[key] = step
+    try:
+        yield step
+    finally:
+        if previous is None:
+            _STEPS.pop(key, None)
+        else:
+            _STEPS[key] = previous
