@@ -560,17 +560,29 @@ class DistributedModel(keras.Model):
         with keras.StatelessScope(state_mapping=[(v, strategy.experimental_local_results(r)[0]) for v, r in zip(summed, reduced)]):
             return super().get_metrics_result()
 
-    def _reduce_in_replica_context(self, outputs):
-        """Applies `distribute_reduction_method` so every replica returns the reduced value."""
+    def _reduce_in_replica_context(self, outputs, step_name):
+        """Applies `distribute_reduction_method` so every replica returns the reduced value.
+
+        Only to the outputs of a step you wrote (`step_name` overridden): they
+        may differ between replicas. keras-dist's own steps return values
+        already equal on every replica (the metrics of the global batch),
+        which a "sum" would multiply by the replicas.
+        """
         method = self.distribute_reduction_method
         num_replicas = self._distribute_strategy.num_replicas_in_sync
-        if method == "auto" or num_replicas == 1 or not _compat.is_active("distribute_reduction_method"):
+        if (
+            method == "auto"
+            or num_replicas == 1
+            or not _compat.is_active("distribute_reduction_method")
+            or self._returns_synchronized_outputs(step_name)
+        ):
             return outputs
         context = tf.distribute.get_replica_context()
 
         def reduce(value):
             if not isinstance(value, (tf.Tensor, tf.Variable)):
                 return value
+            value = tf.identity(value)  # On this replica's device: a result made in cross-replica context has none.
             if method == "first":
                 is_first = tf.equal(context.replica_id_in_sync_group, 0)
                 value = tf.where(is_first, value, tf.zeros_like(value))
@@ -607,7 +619,7 @@ class DistributedModel(keras.Model):
                 train_step = self._user_step(train_step)
             self.train_function = steps.make_step_function(
                 self,
-                lambda data: self._reduce_in_replica_context(train_step(data)),
+                lambda data: self._reduce_in_replica_context(train_step(data), "train_step"),
                 add_replica_axis=self._needs_replica_axis(),
                 synchronized_outputs=self._returns_synchronized_outputs("train_step"),
             )
@@ -621,7 +633,7 @@ class DistributedModel(keras.Model):
                 test_step = self._user_step(test_step)
             self.test_function = steps.make_step_function(
                 self,
-                lambda data: self._reduce_in_replica_context(test_step(data)),
+                lambda data: self._reduce_in_replica_context(test_step(data), "test_step"),
                 add_replica_axis=self._needs_replica_axis(),
                 synchronized_outputs=self._returns_synchronized_outputs("test_step"),
             )
