@@ -39,7 +39,7 @@ from keras import ops
 from keras.src.losses import loss as keras_loss
 from keras.src.metrics import reduction_metrics
 
-from keras_dist._runtime import step_state
+from keras_dist._runtime import batch_metrics, step_state
 
 EXAMPLES = "examples"  # Weighted by the replica's share of the examples (a mean over examples).
 DIVISOR = "divisor"  # Weighted by the replica's share of the term's own divisor (tokens, weights).
@@ -113,6 +113,7 @@ def _key():
 
 
 def _install():
+    batch_metrics.install()
     with _INSTALL_LOCK:
         if keras_loss.reduce_weighted_values is not _recording_reduce_weighted_values:
             keras_loss.reduce_weighted_values = _recording_reduce_weighted_values

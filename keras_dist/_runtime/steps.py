@@ -118,7 +118,7 @@ def test_step(model, data, *, options):
             model._loss_tracker.update_state(loss, sample_weight=num_examples)
         else:
             _global_loss(model, record, loss, num_examples, options)
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 @contextlib.contextmanager
