@@ -673,7 +673,7 @@ class DistributedModel(keras.Model):
         """The strategy's scope, in a replica context for layers that call collectives (`build_in_replica_context`)."""
         strategy = self._distribute_strategy
         if _compat.is_active("build_in_replica_context"):
-            return build_context.symbolic_replica_context(strategy)
+            return build_context.symbolic_replica_context(strategy, optimizer=getattr(self, "optimizer", None))
         return strategy.scope()
 
 

@@ -258,6 +258,18 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="ema_overwrite_under_strategy",
+            package="keras",
+            affected=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (_backend_apply_gradients: ops.cond around _overwrite_model_variables_with_average_value; no upstream report found)",
+            symptom="An optimizer with use_ema=True and ema_overwrite_frequency under a multi-replica strategy fails "
+            "in the first step ('merge_call called while defining a new graph', in Cond.call()): apply overwrites "
+            "the weights with their moving averages inside ops.cond, and that overwrite calls merge_call.",
+            remedy="The optimizer's apply (on gradients already summed over replicas) runs once in cross-replica "
+            "context, where the conditional overwrite updates every replica's copy without merge_call.",
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="multi_worker_output_reduction",
             package="keras",
             affected=">=3.0",

@@ -59,12 +59,12 @@ class ReplicaGradientSums:
 
 def accumulates_at_top_level(optimizer):
     """True when `optimizer` itself (not an optimizer it wraps) accumulates gradients."""
-    return bool(getattr(optimizer, "gradient_accumulation_steps", None)) and len(ki.optimizer_chain(optimizer)) == 1
+    return bool(getattr(optimizer, "gradient_accumulation_steps", None)) and len(ki.optimizers_within(optimizer)) == 1
 
 
 def accumulates_anywhere(optimizer):
-    """True when `optimizer` or an optimizer it wraps has `gradient_accumulation_steps`."""
-    return any(getattr(opt, "gradient_accumulation_steps", None) for opt in ki.optimizer_chain(optimizer))
+    """True when `optimizer` or an optimizer it delegates to has `gradient_accumulation_steps`."""
+    return any(getattr(opt, "gradient_accumulation_steps", None) for opt in ki.optimizers_within(optimizer))
 
 
 def accumulate_then_apply(

@@ -39,11 +39,17 @@ class _ShapeOnlyReplicaContext(tf.distribute.ReplicaContext):
 
 
 @contextlib.contextmanager
-def symbolic_replica_context(strategy):
+def symbolic_replica_context(strategy, optimizer=None):
     """Runs the block in a replica context of `strategy` (replica 0) whose collectives keep only shapes.
+
+    An optimizer built inside the block is built in cross-replica context, as
+    Keras builds it under `strategy.scope()`: a variable its `build` assigns
+    (ScheduleFreeAdamW copies the weights into its slots) would otherwise be
+    written in replica 0's copy only, and the replicas would train apart.
 
     Args:
         strategy: The `tf.distribute.Strategy` whose scope the block also runs in.
+        optimizer: Optional `keras.optimizers.Optimizer` the block may build.
 
     Distributed behavior:
         For symbolic traces only (Keras' build): values computed inside are
@@ -54,8 +60,34 @@ def symbolic_replica_context(strategy):
         if tf.distribute.get_replica_context() is not None:  # The default strategy's scope is one already.
             yield
             return
-        with _ShapeOnlyReplicaContext(strategy, replica_id_in_sync_group=0):
+        with _ShapeOnlyReplicaContext(strategy, replica_id_in_sync_group=0), _built_in_cross_replica_context(optimizer):
             yield
+
+
+@contextlib.contextmanager
+def _built_in_cross_replica_context(optimizer):
+    """While the block runs, `optimizer.build` called in a `_ShapeOnlyReplicaContext` runs in cross-replica context."""
+    if optimizer is None or getattr(optimizer, "built", False):
+        yield
+        return
+    own = optimizer.__dict__.get("build")  # Normally none: the class's `build`.
+    build = optimizer.build
+
+    def build_across_replicas(*args, **kwargs):
+        context = tf.distribute.get_replica_context()
+        if not isinstance(context, _ShapeOnlyReplicaContext):
+            return build(*args, **kwargs)
+        # `merge_call` of this context runs the function once, in cross-replica context, eagerly.
+        return context.merge_call(lambda strategy: build(*args, **kwargs))
+
+    optimizer.__dict__["build"] = build_across_replicas
+    try:
+        yield
+    finally:
+        if own is None:
+            optimizer.__dict__.pop("build", None)
+        else:
+            optimizer.__dict__["build"] = own
 
 
 def has_composite_inputs(data_spec):

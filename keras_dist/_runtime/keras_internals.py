@@ -31,6 +31,9 @@ __all__ = [
     "get_random_seed",
     "gradients_already_reduced",
     "optimizer_chain",
+    "optimizer_strategy",
+    "optimizers_within",
+    "overwrites_with_moving_average",
 ]
 
 
@@ -85,6 +88,53 @@ def optimizer_chain(optimizer):
     return chain
 
 
+def optimizer_strategy(optimizer):
+    """Returns the `tf.distribute.Strategy` a Keras (TensorFlow) optimizer creates and updates its variables under, or `None`."""
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def optimizers_within(optimizer):
+    """Returns `optimizer` and every optimizer it delegates to, each once, outermost first.
+
+    Follows a `LossScaleOptimizer`'s `inner_optimizer`, a `MultiOptimizer`'s
+    `optimizers`, and any attribute of a user-written wrapper that holds a Keras
+    optimizer (or a list, tuple or dict of them): the optimizers whose `apply`
+    may run on the gradients given to `optimizer.apply`.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`, or `None`.
+
+    Returns:
+        List of `keras.optimizers.Optimizer` (empty for `None`).
+    """
+    from keras.optimizers import Optimizer
+
+    found, pending = [], [optimizer]
+    while pending:
+        current = pending.pop(0)
+        if not isinstance(current, Optimizer) or any(current is seen for seen in found):
+            continue
+        found.append(current)
+        for value in list(vars(current).values()):
+            if isinstance(value, Optimizer):
+                pending.append(value)
+            elif isinstance(value, (list, tuple)):
+                pending.extend(v for v in value if isinstance(v, Optimizer))
+            elif isinstance(value, dict):
+                pending.extend(v for v in value.values() if isinstance(v, Optimizer))
+    return found
+
+
+def overwrites_with_moving_average(optimizer):
+    """True when `optimizer`'s `apply` (or an optimizer's it delegates to) may overwrite the weights with their EMA.
+
+    Keras' `_backend_apply_gradients` does that inside `ops.cond` when
+    `use_ema=True` and `ema_overwrite_frequency` is set; the TensorFlow
+    overwrite calls `extended.update`, a `merge_call` in replica context.
+    """
+    return any(getattr(opt, "use_ema", False) and getattr(opt, "ema_overwrite_frequency", None) for opt in optimizers_within(optimizer))
+
+
 @contextlib.contextmanager
 def gradients_already_reduced(optimizer):
     """Makes `optimizer.apply` skip its own cross-replica gradient sum while the block runs.
@@ -97,7 +147,7 @@ def gradients_already_reduced(optimizer):
     Re-entrant: MirroredStrategy's replica threads each enter it, and the
     override stays until the last one leaves.
     """
-    chain = optimizer_chain(optimizer)
+    chain = optimizers_within(optimizer)
     for opt in chain:
         opt.__dict__["_keras_dist_reduced_depth"] = opt.__dict__.get("_keras_dist_reduced_depth", 0) + 1
         opt._all_reduce_sum_gradients = list
@@ -141,7 +191,9 @@ def apply_once_in_cross_replica_context(optimizer, gradients, variables, keras_a
     Keras' gradient accumulation makes `optimizer.apply` choose between
     updating and accumulating with `ops.cond`, and both branches reach
     `merge_call`, which TensorFlow refuses inside a conditional in replica
-    context (shared/cases 17). The summed gradients are the same on every
+    context (shared/cases 17); so does the conditional overwrite of the
+    weights with their moving averages (`use_ema` with
+    `ema_overwrite_frequency`). The summed gradients are the same on every
     replica, so one `merge_call` runs the whole `apply` in cross-replica
     context on the first replica's copy; its variable updates
     (`extended.update`) then write every replica's copy. Keras' own

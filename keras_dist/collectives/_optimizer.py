@@ -38,7 +38,9 @@ def distributed_optimizer(optimizer, communication=None):
 
     `DistributedModel.compile` applies this to the model's optimizer; call it
     yourself for an optimizer used in a custom training loop. Only this
-    instance changes; calling it again replaces the options.
+    instance changes; calling it again replaces the options. Its `build`,
+    called outside any scope (`model.optimizer.build(...)` before `fit`),
+    builds under the optimizer's strategy.
 
     Args:
         optimizer: A `keras.optimizers.Optimizer` (a `LossScaleOptimizer`
@@ -72,7 +74,24 @@ def distributed_optimizer(optimizer, communication=None):
     optimizer.__dict__[_OPTIONS] = CommunicationOptions.from_value(communication)
     if not isinstance(optimizer.__dict__.get("apply"), types.MethodType):
         optimizer.__dict__["apply"] = types.MethodType(_apply_summed, optimizer)
+    if not isinstance(optimizer.__dict__.get("build"), types.MethodType):
+        optimizer.__dict__["build"] = types.MethodType(_build_under_its_strategy, optimizer)
     return optimizer
+
+
+def _build_under_its_strategy(optimizer, *args, **kwargs):
+    """The `build` `distributed_optimizer` installs: outside any scope, Keras' `build` runs under the optimizer's strategy.
+
+    A user's `model.optimizer.build(model.trainable_variables)` before `fit`
+    (keras.io style, no `strategy.scope()`) would otherwise fail ("Need to be
+    inside `with strategy.scope()`") or create variables no strategy mirrors.
+    """
+    keras_build = types.MethodType(type(optimizer).build, optimizer)
+    strategy = ki.optimizer_strategy(optimizer)
+    if tf.distribute.has_strategy() or strategy is None or not variables_module.is_multi_replica(strategy):
+        return keras_build(*args, **kwargs)
+    with strategy.scope():
+        return keras_build(*args, **kwargs)
 
 
 def prepare_gradient_accumulation(optimizer, strategy, variables):
@@ -195,7 +214,12 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
         )
         if request is not None:
             request.extras_sums = extras_sums
-        if accumulating:
+        # Keras' apply reaches merge_call inside ops.cond when it accumulates or overwrites the weights
+        # with their moving averages; TensorFlow refuses that in replica context.
+        conditional_merge_call = accumulating or (
+            ki.overwrites_with_moving_average(optimizer) and _compat.is_active("ema_overwrite_under_strategy")
+        )
+        if conditional_merge_call:
             ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
         else:
             keras_apply(optimizer, grads, variables)
