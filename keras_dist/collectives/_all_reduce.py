@@ -6,6 +6,37 @@ import tensorflow as tf
 GRADIENT_STRUCTURE_MISMATCH = "keras-dist: the workers disagree on which variables receive a gradient"
 
 
+def merge_sparse_rows(gradient):
+    """Sums the rows of a `tf.IndexedSlices` gradient that share an index: one row per index.
+
+    A sparse gradient holds one row per lookup (a token seen twice in the
+    batch gives two rows for its index), and the all-reduce concatenates the
+    replicas' rows (a row used on every replica appears once per replica).
+    Keras 3's optimizers apply non-linear functions to the rows as they come
+    (Adam, AdamW, RMSprop and Adagrad square each one, `clipnorm` takes the
+    norm of the rows), so their update depended on how the gradient of a row
+    happened to be split. With the rows merged it is the update of the
+    table's gradient itself, at any replica count and on one device, as with
+    a gradient whose rows are unique. The rows stay sparse: the table is never
+    densified.
+
+    Args:
+        gradient: A `tf.IndexedSlices` with `values` of shape `(n, ...)` and
+            integer `indices` of shape `(n,)`; anything else (a dense
+            `tf.Tensor`, `None`) is returned unchanged.
+
+    Returns:
+        A `tf.IndexedSlices` with `k <= n` rows, `values` of shape `(k, ...)`
+        in `gradient`'s dtype, unique `indices` (in order of first
+        occurrence, same dtype) and the same `dense_shape`; or `gradient`.
+    """
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    indices, positions = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(indices)[0])
+    return tf.IndexedSlices(values, indices, gradient.dense_shape)
+
+
 def gradient_kinds(gradients):
     """Returns a float32 vector of length `2 * len(gradients)`: 1 where a gradient is dense, then 1 where sparse.
 
@@ -58,8 +89,9 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     Args:
         gradients: List of per-replica gradients: `tf.Tensor`,
             `tf.IndexedSlices` (embeddings; all-gathered, never densified or
-            compressed here) or `None` (a variable without gradient, kept as
-            `None`).
+            compressed here; rows merged by index before they are sent and
+            after they are gathered, see `merge_sparse_rows`) or `None` (a
+            variable without gradient, kept as `None`).
         options: A `keras_dist.CommunicationOptions` (`bytes_per_pack="auto"`
             is resolved for this replica context's strategy).
         names: Optional list of the variables' names. When given, the replicas
@@ -77,7 +109,8 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
 
     Returns:
         `(summed_gradients, summed_extras)`: the gradients in the same order
-        and dtypes (`None` kept), and one tensor per `extras` entry.
+        and dtypes (`None` kept; a `tf.IndexedSlices` with one row per index),
+        and one tensor per `extras` entry.
 
     Raises:
         tf.errors.InvalidArgumentError: At run time, with `names`, when the
@@ -103,10 +136,10 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     context = tf.distribute.get_replica_context()
     extras = [tf.identity(tf.convert_to_tensor(e, tf.float32)) for e in extras]  # On this replica's device.
     if context is None:
-        return list(gradients), extras
+        return [merge_sparse_rows(g) for g in gradients], extras
     options = options.resolved(context.strategy)
     present = [i for i, g in enumerate(gradients) if g is not None]
-    to_send = [gradients[i] for i in present]
+    to_send = [merge_sparse_rows(gradients[i]) for i in present]  # Fewer rows on the wire.
     side = list(extras)
     if num_examples is not None:
         count = tf.cast(num_examples, tf.float32)
@@ -135,7 +168,8 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     result = list(gradients)
     with tf.control_dependencies(checks):  # Nothing summed is used unless the workers agree.
         for i, value in zip(present, reduced):
-            result[i] = _after_checks(decompress(value, gradients[i].dtype))
+            # The gathered rows repeat across replicas: merged, they are the global gradient's rows.
+            result[i] = _after_checks(merge_sparse_rows(decompress(value, gradients[i].dtype)))
             if num_examples is not None:
                 result[i] = _scaled(result[i], factor)
         side_sums = [tf.identity(s) for s in side_sums]
