@@ -33,12 +33,10 @@ def distributed_optimizer(optimizer, communication=None):
     share (see docs/compat.md, `sum_gradients_before_apply`).
 
     Sparse gradients (`tf.IndexedSlices`, e.g. an `Embedding`'s) reach Keras'
-    `apply` with their rows merged by index, one row per index, in replica
-    context at every replica count, one included: a row looked up on every
-    replica, or several times in a batch, is one row of the summed gradient,
-    so Adam's, RMSprop's and Adagrad's squares and `clipnorm`'s norm are those
-    of the table's gradient, not of its parts (see
-    `keras_dist.collectives._all_reduce.merge_sparse_rows`).
+    `apply` with the rows plain Keras has on one device: the replicas' token
+    rows concatenated, the rows of a lookup that is the same on every replica
+    (a position embedding) summed position by position (see
+    `keras_dist.collectives._all_reduce.combine_gathered_rows`).
 
     With `gradient_accumulation_steps=k`, each replica keeps its own running
     sum and the sums are all-reduced once every k micro-batches
@@ -67,8 +65,8 @@ def distributed_optimizer(optimizer, communication=None):
     Distributed behavior:
         The sum is a collective: every replica of every worker must call
         `apply` with the same list of variables and the same `None` positions.
-        Outside replica context (cross-replica context) the optimizer
-        behaves exactly as before.
+        Outside replica context (one device, or cross-replica context) the
+        optimizer behaves exactly as before.
     """
     import keras
 
@@ -204,10 +202,6 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     """The `apply` `distributed_optimizer` installs (bound to the optimizer instance)."""
     keras_apply = type(optimizer).apply
     context = tf.distribute.get_replica_context()
-    if context is not None:
-        # One row per index on every path, one replica included: the update then does not depend on
-        # how a row's gradient was split (by replica, or by lookups inside a replica).
-        grads = [_all_reduce.merge_sparse_rows(g) for g in grads]
     if (
         context is None
         or context.num_replicas_in_sync == 1

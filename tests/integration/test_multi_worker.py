@@ -98,8 +98,12 @@ def test_gradient_accumulation_on_two_workers_matches_single_device(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_sparse_gradients_on_two_workers_match_single_device(tmp_path):
-    """Repeated token ids and a position embedding, Adam: rows merged by index across workers, as one device's table gradient."""
-    reference = mw_workload.run_sparse(mw_workload.build_sparse(keras.Model, reference=True))
+    """Repeated token ids and a position embedding, Adam, against plain Keras on one device.
+
+    Token rows are each worker's rows concatenated (a repeated id keeps its rows), position rows are
+    summed position by position over the workers (one row per position), as on one device.
+    """
+    reference = mw_workload.run_sparse(mw_workload.build_sparse(keras.Model))
     result = _launch(["--num-workers", "2"], [str(tmp_path), "--workload", "sparse"], timeout=140)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for i in range(2):

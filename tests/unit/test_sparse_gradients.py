@@ -1,17 +1,16 @@
-"""Sparse gradients (`tf.IndexedSlices`) reach the optimizer with one row per index, at every replica count.
+"""Sparse gradients (`tf.IndexedSlices`) reach the optimizer with the rows plain Keras has on one device.
 
-An `Embedding`'s gradient holds one row per lookup, and the gradient all-reduce
-concatenates the replicas' rows. Keras 3's Adam, AdamW, RMSprop and Adagrad
-square each row as it comes, and `clipnorm` takes the norm of the rows, so
-without merging the update depends on how a row's gradient was split: a
-position embedding (the same rows on every replica) moved x1.414 too far, and a
-max pool whose ties break differently in a batch of 8 than of 16 gave other
-numbers on 2 replicas than on 1. The references here are one device with the
-table's gradient as it is mathematically: rows already unique (a position
-embedding), or the gradient converted to a dense tensor before `apply`.
+Keras 3's Adam, AdamW, RMSprop and Adagrad apply a sparse gradient row by row
+(each row squared, then the rows added into the table's slots), and
+`clipnorm` takes the norm of the rows, so the update depends on the rows
+themselves, not only on their sum. One device has one row per entry of the
+lookup's index tensor: a token id seen twice in a batch gives two rows, a
+position embedding looked up with `ops.arange` one row per position summed
+over the batch. The reference here is plain Keras on one device, as users run
+it: token rows are each replica's own rows concatenated, a position
+embedding's rows (the same indices on every replica) are the replicas' rows
+summed position by position.
 """
-
-import types
 
 import keras
 import numpy as np
@@ -34,16 +33,14 @@ OPTIMIZERS = {
 }
 
 
-def _dense_gradients_apply(optimizer):
-    """One device, the reference: `apply` gets each sparse gradient as the dense tensor it stands for."""
-    keras_apply = type(optimizer).apply
-
-    def apply(self, grads, trainable_variables=None):
-        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        return keras_apply(self, grads, trainable_variables)
-
-    optimizer.apply = types.MethodType(apply, optimizer)
-    return optimizer
+def _fit_both(build, optimizer, x, y, strategy, batch_size=8, **kwargs):
+    """Plain Keras on one device and keras-dist under `strategy`, same weights and batches: max |dW|."""
+    reference = build(keras.Model, OPTIMIZERS[optimizer](), **kwargs)
+    model = build(keras_dist.DistributedModel, OPTIMIZERS[optimizer](), strategy=strategy, **kwargs)
+    model.set_weights(reference.get_weights())
+    for m in (reference, model):
+        m.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return max_weight_difference(reference, model)
 
 
 # --- A position embedding: the same rows on every replica (keras.io's TokenAndPositionEmbedding).
@@ -74,15 +71,14 @@ def _position_data():
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "rmsprop"])
-def test_position_embedding_matches_one_device(multi_replica_strategy, optimizer):
-    """Rows looked up with `arange` are unique on one device and repeat once per replica before the merge."""
+def test_position_embedding_matches_plain_keras(multi_replica_strategy, optimizer):
+    """`arange` rows: one row per position on one device, so the replicas' rows are summed position by position.
+
+    Sent as they were gathered (one row per position and replica), Adam squared the parts: 2.2e-2 off
+    on 2 replicas, 3.5e-2 on 3. 37 examples in batches of 8: the last batch (5) is uneven.
+    """
     x, y = _position_data()
-    reference = _position_model(keras.Model, OPTIMIZERS[optimizer]())
-    model = _position_model(keras_dist.DistributedModel, OPTIMIZERS[optimizer](), strategy=multi_replica_strategy)
-    model.set_weights(reference.get_weights())
-    for m in (reference, model):  # 37 examples in batches of 8: the last batch is uneven.
-        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert max_weight_difference(reference, model) < TOL
+    assert _fit_both(_position_model, optimizer, x, y, multi_replica_strategy) < TOL
 
 
 # --- An Embedding with repeated token ids in every batch, and an uneven last batch.
@@ -98,130 +94,140 @@ def _token_model(model_class, optimizer, jit_compile="auto", **kwargs):
     return model
 
 
-def _token_data():
+def _token_data(n=37):
     rs = np.random.RandomState(0)
-    x = rs.randint(0, 10, (37, 6)).astype("int32")  # 6 tokens from 10 ids: most ids repeat in every batch.
-    return x, (x.mean(1, keepdims=True) / 10 + rs.rand(37, 1) * 0.1).astype("float32")
+    x = rs.randint(0, 10, (n, 6)).astype("int32")  # 6 tokens from 10 ids: most ids repeat in every batch.
+    return x, (x.mean(1, keepdims=True) / 10 + rs.rand(n, 1) * 0.1).astype("float32")
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_repeated_token_ids_match_one_device_with_the_tables_gradient(mirrored_1x2_cpu, optimizer):
+def test_repeated_token_ids_match_plain_keras(multi_replica_strategy, optimizer):
+    """Plain Keras squares a repeated id's rows one by one; merged by id, keras-dist was 0.14 off (Adam)."""
     x, y = _token_data()
-    reference = _token_model(keras.Model, _dense_gradients_apply(OPTIMIZERS[optimizer]()))
-    model = _token_model(keras_dist.DistributedModel, OPTIMIZERS[optimizer](), strategy=mirrored_1x2_cpu)
-    model.set_weights(reference.get_weights())
-    for m in (reference, model):
-        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert max_weight_difference(reference, model) < TOL
+    assert _fit_both(_token_model, optimizer, x, y, multi_replica_strategy) < TOL
 
 
-def test_repeated_token_ids_on_three_replicas_and_on_one_device(mirrored_1x3_cpu):
-    """The same numbers at 3 replicas (batches of 8 split 3/3/2, last 2/2/1) and on keras-dist's one device."""
-    x, y = _token_data()
-    reference = _token_model(keras.Model, _dense_gradients_apply(OPTIMIZERS["adam"]()))
-    three = _token_model(keras_dist.DistributedModel, OPTIMIZERS["adam"](), strategy=mirrored_1x3_cpu)
-    one = _token_model(keras_dist.DistributedModel, OPTIMIZERS["adam"](), strategy="one_device")
-    for m in (three, one):
-        m.set_weights(reference.get_weights())
-    for m in (reference, three, one):
-        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert max_weight_difference(reference, three) < TOL
-    assert max_weight_difference(reference, one) < TOL
+# --- Both kinds in one model, with a last batch of 1 (the other replicas get no example).
 
 
-def test_repeated_token_ids_on_one_device_with_xla():
-    """`compile(jit_compile=True)` on one device: Keras compiles the whole step, the merge of the rows included."""
-    x, y = _token_data()
-    reference = _token_model(keras.Model, _dense_gradients_apply(OPTIMIZERS["adam"]()))
-    model = _token_model(keras_dist.DistributedModel, OPTIMIZERS["adam"](), jit_compile=True, strategy="one_device")
-    assert model.jit_compile is True
-    model.set_weights(reference.get_weights())
-    for m in (reference, model):
-        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert max_weight_difference(reference, model) < TOL
-
-
-# --- r16's pattern: a max pool over zero padding has exact ties, broken differently by batch size.
-
-
-def _padded_text():
-    rs = np.random.RandomState(0)
-    x = np.zeros((96, 40), "int64")
-    for i in range(len(x)):
-        n = rs.randint(8, 30)
-        x[i, :n] = rs.randint(2, 50, n)  # Real tokens, then padding (id 0).
-    y = (np.sum((x >= 2) & (x < 20), 1) > np.sum(x >= 30, 1)).astype("float32")
-    return x, y
-
-
-def _text_model(model_class, optimizer="adam", **kwargs):
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((None,), dtype="int64")
-    hidden = keras.layers.Embedding(50, 16)(inputs)
-    hidden = keras.layers.Conv1D(16, 5, activation="relu", strides=2)(hidden)
-    hidden = keras.layers.Conv1D(16, 5, activation="relu", strides=2)(hidden)
-    hidden = keras.layers.GlobalMaxPooling1D()(hidden)
-    model = model_class(inputs, keras.layers.Dense(1, activation="sigmoid")(hidden), **kwargs)
-    model.compile(loss="binary_crossentropy", optimizer=optimizer)
+def _token_and_position_model(model_class, optimizer, **kwargs):
+    inputs = keras.Input((6,), dtype="int32")
+    tokens = keras.layers.Embedding(10, 4, embeddings_initializer=keras.initializers.RandomUniform(seed=1))(inputs)
+    layer = PositionEmbedding(6, 4)
+    hidden = keras.layers.GlobalAveragePooling1D()(layer(tokens))
+    outputs = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(hidden)
+    model = model_class(inputs, outputs, **kwargs)
+    model.compile(optimizer=optimizer, loss="mse")
     return model
 
 
-def test_padded_max_pool_text_model_on_one_and_two_replicas(mirrored_1x2_cpu):
-    """keras-dist on 1 replica and on 2, and one device with the table's gradient: one set of numbers."""
-    x, y = _padded_text()
-    reference = _text_model(keras.Model, _dense_gradients_apply(keras.optimizers.Adam()))
-    one = _text_model(keras_dist.DistributedModel, strategy="one_device")
-    two = _text_model(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
-    for m in (one, two):
-        m.set_weights(reference.get_weights())
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat(4)  # 24 Adam steps.
-    for m in (reference, one, two):
-        m.fit(dataset, verbose=0)
-    assert max_weight_difference(one, two) < TOL
-    assert max_weight_difference(reference, two) < TOL
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
+def test_token_and_position_embeddings_in_one_model_match_plain_keras(multi_replica_strategy, optimizer):
+    """Token rows concatenated and position rows summed in one step; the last batch of 1 leaves replicas empty."""
+    x, y = _token_data(33)
+    assert _fit_both(_token_and_position_model, optimizer, x, y, multi_replica_strategy) < TOL
 
 
-# --- The all-reduce itself: rows merged, still sparse, with and without compression and example weighting.
+# --- keras-dist on one device is plain Keras: nothing merged.
 
 
-@pytest.mark.parametrize(
-    "compression, weighted", [(None, False), (None, True), ("fp16", False)], ids=["plain", "by_examples", "fp16"]
-)
-def test_all_reduce_returns_one_row_per_index_and_stays_sparse(mirrored_1x2_cpu, compression, weighted):
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_one_device_equals_plain_keras(jit_compile):
+    x, y = _token_data()
+    reference = _token_model(keras.Model, OPTIMIZERS["adam"](), jit_compile=jit_compile)
+    model = _token_model(keras_dist.DistributedModel, OPTIMIZERS["adam"](), jit_compile=jit_compile, strategy="one_device")
+    assert model.jit_compile is jit_compile
+    model.set_weights(reference.get_weights())
+    for m in (reference, model):
+        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < TOL
+
+
+# --- The all-reduce itself: which rows come back, still sparse, with compression, weighting and checks.
+
+
+def _all_reduce_rows(strategy, rows_of, **kwargs):
+    """Runs `all_reduce_gradients` on `[rows_of(replica), ones(2)]` and one extra: replica 0's `(values, indices)`."""
+    compression = kwargs.pop("compression", None)
     options = keras_dist.CommunicationOptions(compression=compression)
 
     @tf.function
     def step():
         def replica_fn():
-            replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
-            rows = tf.IndexedSlices(
-                tf.stack([tf.fill([2], 1.0 + replica), tf.fill([2], 10.0), tf.fill([2], 100.0)]),
-                tf.constant([3, 1, 3], tf.int64),
-                tf.constant([5, 2], tf.int64),
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            values, indices = rows_of(replica)
+            rows = tf.IndexedSlices(values, indices, tf.constant([5, 2], tf.int64))
+            (summed, dense_sum), (extra,) = _all_reduce.all_reduce_gradients(
+                [rows, tf.ones([2])], options, extras=[tf.constant([3.0])], **kwargs
             )
-            dense = tf.ones([2])
-            (summed, dense_sum), _ = _all_reduce.all_reduce_gradients(
-                [rows, dense], options, num_examples=tf.constant(4) if weighted else None
-            )
-            return summed.values, summed.indices, dense_sum
+            return summed.values, summed.indices, dense_sum, extra
 
-        return mirrored_1x2_cpu.run(replica_fn)
+        return strategy.run(replica_fn)
 
-    values, indices, dense_sum = (mirrored_1x2_cpu.experimental_local_results(t) for t in step())
-    for v, i, d in zip(values, indices, dense_sum):
-        # Row 3: (1 + 100) on replica 0 and (2 + 100) on replica 1; row 1: 10 on each.
-        assert i.dtype == tf.int64 and sorted(i.numpy().tolist()) == [1, 3]
-        got = dict(zip(i.numpy().tolist(), v.numpy().tolist()))
-        assert got == {3: [203.0, 203.0], 1: [20.0, 20.0]}
-        np.testing.assert_allclose(d.numpy(), [2.0, 2.0])
+    results = [strategy.experimental_local_results(t) for t in step()]
+    for per_replica in results:  # Every replica decides alike.
+        for value in per_replica[1:]:
+            np.testing.assert_array_equal(value.numpy(), per_replica[0].numpy())
+    values, indices, dense_sum, extra = (r[0] for r in results)
+    assert indices.dtype == tf.int64
+    np.testing.assert_allclose(dense_sum.numpy(), [strategy.num_replicas_in_sync] * 2)
+    np.testing.assert_allclose(extra.numpy(), [3.0 * strategy.num_replicas_in_sync])
+    return values.numpy().tolist(), indices.numpy().tolist()
 
 
-def test_merge_sparse_rows_keeps_dense_tensors_and_none():
-    rows = tf.IndexedSlices(tf.constant([[1.0], [2.0], [4.0]]), tf.constant([2, 0, 2]), tf.constant([3, 1]))
-    merged = _all_reduce.merge_sparse_rows(rows)
-    assert isinstance(merged, tf.IndexedSlices)
-    assert merged.indices.numpy().tolist() == [2, 0] and merged.values.numpy().tolist() == [[5.0], [2.0]]
-    assert merged.dense_shape.numpy().tolist() == [3, 1]
-    np.testing.assert_array_equal(tf.convert_to_tensor(merged), tf.convert_to_tensor(rows))
-    dense = tf.ones([2])
-    assert _all_reduce.merge_sparse_rows(dense) is dense and _all_reduce.merge_sparse_rows(None) is None
+VARIANTS = [
+    {},
+    {"num_examples": tf.constant(4)},
+    {"compression": "fp16"},
+    {"names": ["table", "dense"]},
+]
+VARIANT_IDS = ["plain", "by_examples", "fp16", "structure_check"]
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS, ids=VARIANT_IDS)
+def test_identical_indices_on_every_replica_are_summed_position_by_position(mirrored_1x2_cpu, kwargs):
+    """A position embedding's rows: the same 3 indices (a repeat included) on both replicas give 3 rows."""
+
+    def rows_of(replica):
+        first = 1.0 + tf.cast(replica, tf.float32)
+        return tf.stack([tf.fill([2], first), tf.fill([2], 10.0), tf.fill([2], 100.0)]), tf.constant([3, 1, 3], tf.int64)
+
+    values, indices = _all_reduce_rows(mirrored_1x2_cpu, rows_of, **kwargs)
+    assert indices == [3, 1, 3]  # Not merged by index: one device has these three rows.
+    assert values == [[3.0, 3.0], [20.0, 20.0], [200.0, 200.0]]
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS, ids=VARIANT_IDS)
+def test_different_indices_are_kept_as_gathered(mirrored_1x2_cpu, kwargs):
+    """Token rows: different ids on each replica (a repeated one included) are one device's rows, concatenated."""
+
+    def rows_of(replica):
+        values = tf.stack([tf.fill([2], 1.0), tf.fill([2], 2.0)]) * (1.0 + tf.cast(replica, tf.float32))
+        return values, tf.where(tf.equal(replica, 0), tf.constant([3, 3], tf.int64), tf.constant([3, 4], tf.int64))
+
+    values, indices = _all_reduce_rows(mirrored_1x2_cpu, rows_of, **kwargs)
+    assert sorted(zip(indices, values)) == sorted([(3, [1.0, 1.0]), (3, [2.0, 2.0]), (3, [2.0, 2.0]), (4, [4.0, 4.0])])
+
+
+def test_uneven_and_empty_replicas_are_kept_as_gathered(mirrored_1x3_cpu):
+    """Replica 2 sends no row, replica 1 one row: the rows are concatenated, the empty replica adds none."""
+
+    def rows_of(replica):
+        n = tf.gather(tf.constant([2, 1, 0]), replica)
+        return tf.ones([n, 2]) * (1.0 + tf.cast(replica, tf.float32)), tf.fill([n], tf.constant(3, tf.int64))
+
+    values, indices = _all_reduce_rows(mirrored_1x3_cpu, rows_of)
+    assert indices == [3, 3, 3] and sorted(values) == [[1.0, 1.0], [1.0, 1.0], [2.0, 2.0]]
+
+
+def test_every_replica_empty_gives_no_rows(mirrored_1x2_cpu):
+    values, indices = _all_reduce_rows(mirrored_1x2_cpu, lambda replica: (tf.zeros([0, 2]), tf.zeros([0], tf.int64)))
+    assert values == [] and indices == []
+
+
+def test_equal_lengths_with_different_indices_are_kept_as_gathered(mirrored_1x3_cpu):
+    def rows_of(replica):
+        return tf.ones([2, 2]), tf.stack([tf.constant(1, tf.int64), tf.cast(replica, tf.int64)])
+
+    values, indices = _all_reduce_rows(mirrored_1x3_cpu, rows_of)
+    assert sorted(indices) == [0, 1, 1, 1, 1, 2] and values == [[1.0, 1.0]] * 6
