@@ -6,6 +6,90 @@ import tensorflow as tf
 GRADIENT_STRUCTURE_MISMATCH = "keras-dist: the workers disagree on which variables receive a gradient"
 
 
+def sparse_row_counts(gradients, replica_id, num_replicas):
+    """Returns this replica's row counts of the sparse `gradients`, placed at its replica's position.
+
+    Summed over the replicas (in the all-reduce that carries the other side
+    values), the result tells every replica how many rows each replica sent
+    for each sparse gradient, which `combine_gathered_rows` needs.
+
+    Args:
+        gradients: List of the gradients about to be sent; only the
+            `tf.IndexedSlices` among them count, in order.
+        replica_id: Integer scalar (Python or tensor), this replica's
+            `replica_id_in_sync_group` (global under several workers).
+        num_replicas: Python int, `num_replicas_in_sync`.
+
+    Returns:
+        A float32 vector of length `num_replicas * S` (S: the number of sparse
+        gradients), row-major `(num_replicas, S)`: zero except row
+        `replica_id`, which holds each sparse gradient's number of rows
+        (exact up to 2**24 rows per replica).
+    """
+    counts = [tf.cast(tf.shape(g.indices)[0], tf.float32) for g in gradients if isinstance(g, tf.IndexedSlices)]
+    position = tf.one_hot(tf.cast(replica_id, tf.int32), num_replicas, dtype=tf.float32)
+    return tf.reshape(position[:, None] * tf.stack(counts)[None, :], [-1])
+
+
+def combine_gathered_rows(gathered, row_counts):
+    """The rows one device would have, from the replicas' all-gathered rows of a sparse gradient.
+
+    Keras 3's optimizers apply a `tf.IndexedSlices` gradient row by row (Adam,
+    AdamW, RMSprop and Adagrad square each row before the rows are added into
+    the table's slots; `clipnorm` takes the norm of the rows), so the rows
+    themselves, not only their sum, must be one device's. One device gets one
+    row per entry of the lookup's index tensor:
+
+    - lookups with a batch dimension (token ids) give each replica the rows of
+      its own examples, so the replicas' rows concatenated are one device's
+      rows (returned as gathered);
+    - lookups that do not depend on the batch (a position embedding looked
+      up with `ops.arange`) give every replica the same indices, each row a
+      partial sum over that replica's examples, where one device has one row
+      per index summed over the global batch: when every replica sent the
+      same number of rows with identical indices, the replicas' rows are
+      summed position by position (one replica's indices kept).
+
+    Every replica holds the same gathered rows and counts, so every replica
+    decides alike; nothing is communicated here. Known residual: token
+    lookups whose indices happen to be identical on every replica (same
+    number and order of ids) are summed too, where one device would keep
+    them apart.
+
+    Args:
+        gathered: A `tf.IndexedSlices`, the concatenation of the replicas'
+            rows (`values` `(M, ...)`, `indices` `(M,)`), in any replica
+            order.
+        row_counts: float32 vector `(num_replicas,)`, the number of rows each
+            replica sent (`sparse_row_counts` summed over the replicas).
+
+    Returns:
+        A `tf.IndexedSlices` with the same `dense_shape` and dtypes: `T` rows
+        (`values` summed over the replicas, the first replica's `indices`)
+        when every replica sent `T` rows with identical indices, else
+        `gathered` unchanged. The rows stay sparse.
+    """
+    num_replicas = row_counts.shape[0]
+    counts = tf.cast(tf.round(row_counts), tf.int32)
+    rows = counts[0]
+    total = tf.shape(gathered.indices)[0]
+    equal_lengths = tf.logical_and(tf.reduce_all(tf.equal(counts, rows)), tf.equal(total, num_replicas * rows))
+
+    def identical_indices():
+        indices = tf.reshape(gathered.indices, [num_replicas, rows])
+        return tf.reduce_all(tf.equal(indices, indices[:1]))
+
+    identical = tf.cond(equal_lengths, identical_indices, lambda: tf.constant(False))
+
+    def summed():
+        shape = tf.concat([[num_replicas, rows], tf.shape(gathered.values)[1:]], 0)
+        values = tf.reduce_sum(tf.reshape(gathered.values, shape), axis=0)
+        return values, gathered.indices[:rows]
+
+    values, indices = tf.cond(identical, summed, lambda: (gathered.values, gathered.indices))
+    return tf.IndexedSlices(values, indices, gathered.dense_shape)
+
+
 def gradient_kinds(gradients):
     """Returns a float32 vector of length `2 * len(gradients)`: 1 where a gradient is dense, then 1 where sparse.
 
@@ -58,8 +142,9 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     Args:
         gradients: List of per-replica gradients: `tf.Tensor`,
             `tf.IndexedSlices` (embeddings; all-gathered, never densified or
-            compressed here) or `None` (a variable without gradient, kept as
-            `None`).
+            compressed here; the gathered rows are one device's rows, see
+            `combine_gathered_rows`) or `None` (a variable without gradient,
+            kept as `None`).
         options: A `keras_dist.CommunicationOptions` (`bytes_per_pack="auto"`
             is resolved for this replica context's strategy).
         names: Optional list of the variables' names. When given, the replicas
@@ -78,7 +163,8 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
 
     Returns:
         `(summed_gradients, summed_extras)`: the gradients in the same order
-        and dtypes (`None` kept), and one tensor per `extras` entry.
+        and dtypes (`None` kept; a `tf.IndexedSlices` with the rows one
+        device would have), and one tensor per `extras` entry.
 
     Raises:
         tf.errors.InvalidArgumentError: At run time, with `names`, when the
@@ -99,7 +185,9 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         mismatch") or of equal sizes, in which case the summed check fails
         before any sum is returned. Otherwise (compressed or non-float32
         gradients) they are summed in one all-reduce first and the gradients
-        are sent only after the check passed.
+        are sent only after the check passed. With sparse gradients, each
+        replica's row counts (`num_replicas_in_sync` floats per sparse
+        gradient) travel with the side values too.
     """
     context = tf.distribute.get_replica_context()
     extras = [tf.identity(tf.convert_to_tensor(e, tf.float32)) for e in extras]  # On this replica's device.
@@ -115,6 +203,9 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         side.append(tf.reshape(count, [1]))
     if names is not None:
         side.append(gradient_kinds(gradients))
+    num_sparse = sum(isinstance(g, tf.IndexedSlices) for g in to_send) if context.num_replicas_in_sync > 1 else 0
+    if num_sparse:  # Appended last, taken first.
+        side.append(sparse_row_counts(to_send, context.replica_id_in_sync_group, context.num_replicas_in_sync))
     to_send = compress(to_send, options)
     together = all(v.dtype == tf.float32 for v in to_send if not isinstance(v, tf.IndexedSlices))
     reduced, side_sums = [], []
@@ -123,6 +214,8 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         reduced, side_sums = reduced[: len(to_send)], reduced[len(to_send) :]
     elif not together and side:
         side_sums = context.all_reduce(tf.distribute.ReduceOp.SUM, side, options=options.to_tensorflow())
+    if num_sparse:
+        row_counts = iter(tf.unstack(tf.reshape(side_sums.pop(), [context.num_replicas_in_sync, num_sparse]), axis=1))
     checks = []
     if names is not None:
         checks = [assert_same_gradient_kinds(side_sums.pop(), context.num_replicas_in_sync, names)]
@@ -136,7 +229,10 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     result = list(gradients)
     with tf.control_dependencies(checks):  # Nothing summed is used unless the workers agree.
         for i, value in zip(present, reduced):
-            result[i] = _after_checks(decompress(value, gradients[i].dtype))
+            value = decompress(value, gradients[i].dtype)
+            if num_sparse and isinstance(value, tf.IndexedSlices):  # Every replica holds every replica's rows.
+                value = combine_gathered_rows(value, next(row_counts))
+            result[i] = _after_checks(value)
             if num_examples is not None:
                 result[i] = _scaled(result[i], factor)
         side_sums = [tf.identity(s) for s in side_sums]

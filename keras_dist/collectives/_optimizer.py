@@ -31,6 +31,12 @@ def distributed_optimizer(optimizer, communication=None):
     Keras 3 alone sums inside the update step, after clipping each replica's
     share (see docs/compat.md, `sum_gradients_before_apply`).
 
+    Sparse gradients (`tf.IndexedSlices`, e.g. an `Embedding`'s) reach Keras'
+    `apply` with the rows plain Keras has on one device: the replicas' token
+    rows concatenated, the rows of a lookup that is the same on every replica
+    (a position embedding) summed position by position (see
+    `keras_dist.collectives._all_reduce.combine_gathered_rows`).
+
     With `gradient_accumulation_steps=k`, each replica keeps its own running
     sum and the sums are all-reduced once every k micro-batches
     (`DistributedModel` prepares those sums; elsewhere call

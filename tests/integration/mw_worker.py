@@ -1,7 +1,7 @@
 """Worker script for the multi-worker tests, started by `keras-dist launch`.
 
 Usage: mw_worker.py OUT_DIR [--steps-per-execution K] [--communication JSON] [--accumulation K]
-                    [--die-at-batch N --die-task-id I]
+                    [--die-at-batch N --die-task-id I] [--workload sparse]
 Writes OUT_DIR/<task_type>-<task_id>.json with what this worker saw.
 """
 
@@ -52,6 +52,11 @@ def main(argv):
     out_dir = argv[0]
     options = dict(zip(argv[1::2], argv[2::2]))
     info = keras_dist.cluster_info()
+    if options.get("--workload") == "sparse":
+        results = mw_workload.run_sparse(mw_workload.build_sparse(keras_dist.DistributedModel))
+        with open(os.path.join(out_dir, f"{info.task_type}-{info.task_id}.json"), "w") as f:
+            json.dump(results, f)
+        return
     model = mw_workload.build(
         keras_dist.DistributedModel,
         steps_per_execution=int(options.get("--steps-per-execution", 1)),

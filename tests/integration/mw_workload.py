@@ -3,7 +3,8 @@
 Imported by `mw_worker.py` (in each worker process, after `import keras_dist`)
 and by `test_multi_worker.py` (single-device reference, in the pytest process).
 Uneven on purpose: 37 training examples in global batches of 8 (last batch 5),
-13 validation examples, 11 rows to predict.
+13 validation examples, 11 rows to predict. `build_sparse` / `run_sparse`: sparse
+gradients (token ids that repeat, a position embedding), Adam.
 """
 
 import numpy as np
@@ -61,3 +62,36 @@ def run(model):
         "predictions": predictions.tolist(),
         "weights": [w.tolist() for w in model.get_weights()],
     }
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """Adds an embedding looked up with `arange`: the same rows on every replica (keras.io's TokenAndPositionEmbedding)."""
+
+    def __init__(self, length, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.length = length
+        self.embedding = keras.layers.Embedding(length, dim)
+
+    def call(self, x):
+        return x + self.embedding(keras.ops.arange(0, self.length))
+
+
+def build_sparse(model_class, **kwargs):
+    """Token ids (10 ids, 6 per example: most repeat in a batch) plus a position embedding, Adam."""
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = PositionEmbedding(6, 4)(keras.layers.Embedding(10, 4)(inputs))
+    outputs = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(hidden))
+    model = model_class(inputs, outputs, **kwargs)
+    rs = np.random.RandomState(42)
+    model.set_weights([rs.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def run_sparse(model):
+    """Two epochs on 37 examples in global batches of 8; returns the weights as lists."""
+    rs = np.random.RandomState(0)
+    x = rs.randint(0, 10, (37, 6)).astype("int32")
+    y = (x.mean(1, keepdims=True) / 10).astype("float32")
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH_SIZE), epochs=2, verbose=0)
+    return {"weights": [w.tolist() for w in model.get_weights()]}

@@ -96,6 +96,22 @@ def test_gradient_accumulation_on_two_workers_matches_single_device(tmp_path):
         _assert_matches(reference, json.loads((tmp_path / f"worker-{i}.json").read_text()))
 
 
+@pytest.mark.timeout(150)
+def test_sparse_gradients_on_two_workers_match_single_device(tmp_path):
+    """Repeated token ids and a position embedding, Adam, against plain Keras on one device.
+
+    Token rows are each worker's rows concatenated (a repeated id keeps its rows), position rows are
+    summed position by position over the workers (one row per position), as on one device.
+    """
+    reference = mw_workload.run_sparse(mw_workload.build_sparse(keras.Model))
+    result = _launch(["--num-workers", "2"], [str(tmp_path), "--workload", "sparse"], timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for i in range(2):
+        got = json.loads((tmp_path / f"worker-{i}.json").read_text())
+        for w_got, w_ref in zip(got["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(w_got, w_ref, rtol=1e-5, atol=1e-5)
+
+
 def _start_workers(tmp_path, num_workers, task_ids, script_args, env):
     cluster = build_cluster_spec(ports=find_free_ports(num_workers))
     processes = {}
