@@ -76,6 +76,11 @@ def distributed_optimizer(optimizer, communication=None):
     return optimizer
 
 
+def is_distributed_optimizer(optimizer):
+    """Returns whether `distributed_optimizer` was applied to `optimizer` (this instance)."""
+    return _OPTIONS in optimizer.__dict__
+
+
 def prepare_gradient_accumulation(optimizer, strategy, variables):
     """Creates the per-replica gradient sums for accumulation with one all-reduce per k micro-batches.
 
