@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras_dist import _compat, collectives, errors
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import layers as runtime_layers
-from keras_dist._runtime import build_context, step_state, steps, variables
+from keras_dist._runtime import build_context, empty_batch, step_state, steps, variables
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _coordination as callbacks_coordination
 from keras_dist.callbacks import _resume as callbacks_resume
@@ -30,6 +30,7 @@ from keras_dist.strategy import _cluster, _peer_errors, _plan, _resolve
 
 _REDUCTION_METHODS = ("auto", "mean", "sum", "first")
 _CUSTOM_STEP_LOSSES = ("mean", "global")
+_OWN_ARGUMENTS = ("strategy", "communication", "auto_shard_policy")  # DistributedModel's, not keras.Model's.
 _FUNCTIONAL_CLASSES = {}
 # What TensorFlow raises when a peer crashed, stopped answering or missed a collective.
 _PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
@@ -104,10 +105,15 @@ class DistributedModel(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        kwargs.pop("strategy", None)
-        kwargs.pop("auto_shard_policy", None)
-        kwargs.pop("communication", None)
-        if ki.functional_init_arguments(args, kwargs) and not issubclass(cls, ki.Functional):
+        for name in _OWN_ARGUMENTS:
+            kwargs.pop(name, None)
+        # The constructor's arguments are `DistributedModel.__init__`'s only when the class keeps that
+        # `__init__`; a subclass's own `__init__(encoder, decoder)` decides what reaches ours (see `__init__`).
+        if (
+            cls.__init__ is DistributedModel.__init__
+            and ki.functional_init_arguments(args, kwargs)
+            and not issubclass(cls, ki.Functional)
+        ):
             return super().__new__(_functional_class(cls), *args, **kwargs)
         return super().__new__(cls, *args, **kwargs)
 
@@ -126,7 +132,10 @@ class DistributedModel(keras.Model):
             )
         with resolved.scope():
             if ki.functional_init_arguments(args, kwargs):
-                # keras.Model.__init__ would rewire this class's bases for good.
+                if not isinstance(self, ki.Functional):
+                    # A subclass's own __init__ passed (inputs, outputs) on. keras.Model.__init__ would
+                    # rewrite this class's bases for good; this instance alone becomes functional instead.
+                    self.__class__ = _functional_class(type(self))
                 ki.Functional.__init__(self, *args, **kwargs)
             else:
                 keras.Model.__init__(self, *args, **kwargs)
@@ -157,6 +166,8 @@ class DistributedModel(keras.Model):
     def _distribute_state(self):
         """Re-homes every variable this model owns onto its strategy (cheap when nothing moved)."""
         strategy = self._distribute_strategy
+        if _compat.is_active("empty_batch_convolution") and variables.is_multi_replica(strategy):
+            empty_batch.install(lambda: _compat.is_active("empty_batch_convolution"))
         if _compat.is_active("empty_replica_batch_norm") and variables.is_multi_replica(strategy):
             guarded = [runtime_layers.guard_empty_batch_moments(bn) for bn in runtime_layers.batch_normalization_layers(self)]
             if any(guarded):
@@ -172,13 +183,33 @@ class DistributedModel(keras.Model):
         owned = {id(v): v for v in [*self.variables, *self.weights, *metrics_variables]}
         moved = sum(variables.rehome(v, strategy) for v in owned.values())
         self._decorrelate_seeds(owned.values())
-        optimizer = getattr(self, "optimizer", None)
-        if optimizer is not None and _compat.is_active("optimizer_strategy"):
-            moved += variables.rehome_optimizer(optimizer, strategy)
+        optimizers = self._owned_optimizers()
+        multi_replica = variables.is_multi_replica(strategy)
+        for optimizer in optimizers:
+            if _compat.is_active("optimizer_strategy"):
+                moved += variables.rehome_optimizer(optimizer, strategy)
+            if multi_replica and _compat.is_active("optimizer_built_in_step") and variables.build_outside_step(optimizer):
+                self.train_function = None
         if moved:
-            if optimizer is not None:
+            for optimizer in optimizers:
                 variables.reindex_optimizer(optimizer)
             self.train_function = self.test_function = self.predict_function = None
+
+    def _owned_optimizers(self):
+        """The compiled optimizer and those kept in the model's attributes (a GAN's `d_optimizer`, `g_optimizer`).
+
+        An optimizer in an attribute, which `compile` did not set up, is made
+        to sum its gradients over the replicas before it applies them, as the
+        compiled one (`keras_dist.distributed_optimizer`, with `communication`).
+        """
+        compiled = getattr(self, "optimizer", None)
+        found = variables.optimizers_in(vars(self).values())
+        for optimizer in found:
+            if optimizer is not compiled and not collectives_optimizer.is_distributed_optimizer(optimizer):
+                collectives_optimizer.distributed_optimizer(optimizer, self.communication)
+        if compiled is not None and all(o is not compiled for o in found):
+            found.insert(0, compiled)
+        return found
 
     def _decorrelate_seeds(self, candidates):
         strategy = self._distribute_strategy
@@ -658,7 +689,10 @@ class DistributedModel(keras.Model):
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         self._distribute_state()  # Layers built after compile (outside the scope) move before the optimizer builds.
-        if not _compat.is_active("symbolic_build_from_spec"):
+        if not steps.has_own_call(self) and _compat.is_active("build_without_call"):
+            with self._distribute_strategy.scope():
+                steps.build_without_call(self)
+        elif not _compat.is_active("symbolic_build_from_spec"):
             steps.maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
         else:
             if iterator is not None:

@@ -40,6 +40,16 @@ def mirrored_1x3_cpu():
     return mirrored(3)
 
 
+@pytest.fixture(scope="session")
+def mirrored_1x2_cpu_collective():
+    """MirroredStrategy with TensorFlow's default all-reduce (collective ops, as users and several workers get).
+
+    One per session: two collective strategies in one process reuse collective instance keys
+    and fail with 'Shape mismatch in the collective instance'.
+    """
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
 @pytest.fixture(params=[2, 3], ids=["mirrored_1x2_cpu", "mirrored_1x3_cpu"], scope="session")
 def multi_replica_strategy(request):
     return mirrored(request.param)

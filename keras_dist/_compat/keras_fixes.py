@@ -115,6 +115,33 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="build_without_call",
+            package="keras",
+            affected=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (_maybe_symbolic_build: only under a strategy; one device defers; no upstream report found)",
+            symptom="Under a strategy, fit/evaluate build the model by calling it, so a model without `call()` "
+            "that trains only through its own train_step (the keras.io GAN) fails before training: 'Unable to "
+            "automatically build the model' (on one device Keras does not build it).",
+            remedy="A model that keeps keras.Model's `call()` is not traced: its compiled optimizer is built under "
+            "the strategy's scope, as Keras builds it; layers not built yet build in the first step, as on one "
+            "device, but once and outside the step function (merge_call, init_scope), as optimizers do with "
+            "`optimizer_built_in_step`.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="optimizer_built_in_step",
+            package="keras",
+            affected=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (apply builds the optimizer lazily; no upstream report found)",
+            symptom="Under a multi-replica strategy, an optimizer first applied inside a train_step (a GAN's "
+            "`d_optimizer`, set in its own compile) creates its variables inside the step function, and the "
+            "first step fails: 'You must feed a value for placeholder tensor .../cond/Placeholder'.",
+            remedy="The model's optimizers (compiled, or kept in its attributes) build themselves, when first "
+            "applied in a replica context, once in cross-replica context and eagerly (merge_call, init_scope), "
+            "on the variables of that first apply.",
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="cross_replica_metrics",
             package="keras",
             affected=">=3.0",
@@ -280,6 +307,20 @@ FIXES = {
             remedy="Under a multi-worker strategy each replica's step outputs get a leading replica "
             "axis of size 1, so Keras' axis-0 mean is exactly the mean over replicas.",
             remove_when=_OPEN,
+        ),
+        Fix(
+            name="empty_batch_convolution",
+            package="tensorflow",
+            affected=">=2.21,<2.22",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/kernels/depthwise_conv_grad_op.cc (zero-size batches; also the oneDNN conv kernels, tensorflow/core/kernels/mkl/; no upstream report found)",
+            symptom="A replica whose share of a (last, partial) batch is empty breaks CPU convolutions: with oneDNN on "
+            "some CPUs a Conv on 0 examples returns the input's channel count and the next layer fails ('input depth "
+            "must be evenly divisible by filter depth'), and a SeparableConv's depthwise-kernel gradient over 0 "
+            "examples is uninitialized memory (e.g. 1e24), summed into every replica's weights.",
+            remedy="Under a multi-replica strategy Keras' TensorFlow conv, depthwise, separable and transposed "
+            "convolutions run an empty batch as one example of zeros and keep none of its rows: the right output "
+            "shape and exactly zero gradients, what a replica without examples contributes.",
+            remove_when="no upstream fix as of TensorFlow 2.21.0; remove when a fixed release is the minimum supported",
         ),
         Fix(
             name="sigterm_default_action",

@@ -16,7 +16,7 @@ from tensorflow.python.distribute.values import PerReplicaSpec
 
 from keras_dist._runtime import build_context
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import loss_terms, step_state
+from keras_dist._runtime import loss_terms, step_state, variables
 
 
 def train_step(model, data, *, options, forward_backward=None, ride_along=False, summed_metrics=None):
@@ -477,6 +477,30 @@ def _with_replica_axis(value):
     if isinstance(value, (tf.Tensor, tf.Variable)):
         return tf.expand_dims(value, 0)
     return value
+
+
+def has_own_call(model):
+    """Returns whether `model` defines `call` (a functional model does; a GAN that only has a `train_step` not)."""
+    return type(model).call is not keras.Model.call
+
+
+def build_without_call(model):
+    """What Keras' `_symbolic_build` can build of a model that has no `call`, and what the steps must build.
+
+    Nothing is traced: on one device Keras builds such a model (a GAN that
+    trains through its own `train_step`) in the first step. Here the compiled
+    optimizer is built on the trainable variables when every layer is built
+    (the keras.io GAN's sub-models start with `keras.Input`); layers not built
+    yet, and the optimizer then, build in the first step, once, outside the
+    step function (`variables.build_outside_step`). Call it under the
+    model's strategy scope.
+    """
+    unbuilt = [layer for layer in model._flatten_layers(include_self=False) if not layer.built]
+    if model.distribute_strategy.num_replicas_in_sync > 1:
+        for layer in unbuilt:
+            variables.build_outside_step(layer)
+    if model.optimizer is not None and not model.optimizer.built and not unbuilt:
+        model.optimizer.build(model.trainable_variables)
 
 
 def symbolic_build_from_spec(model, element_spec, *, composite_inputs=False):

@@ -7,8 +7,11 @@ strategy's scope with the current value, so every Python reference to the Keras
 variable (layers, optimizer slots, user code) stays valid.
 """
 
+import functools
+
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common import global_state as keras_global_state
 
 _AGGREGATIONS = {
     "none": tf.VariableAggregation.NONE,
@@ -113,11 +116,14 @@ def set_aggregation(variable, aggregation):
 
 
 def rehome_optimizer(optimizer, strategy):
-    """Moves a Keras optimizer (and an inner one, for loss scaling) onto `strategy`.
+    """Moves a Keras optimizer and every optimizer it wraps onto `strategy`.
 
     Keras' TensorFlow optimizer remembers the strategy that was current when it
     was constructed and keys its slots by the backing `tf.Variable`; both must
-    follow the variables when they are re-homed.
+    follow the variables when they are re-homed. A wrapper optimizer
+    (`LossScaleOptimizer`, `MultiOptimizer`, or one of one's own holding
+    optimizers in its attributes) has its inner optimizers moved too: their
+    iterations, learning-rate and slot variables, and their strategy.
 
     Args:
         optimizer: `keras.optimizers.Optimizer`, built or not.
@@ -127,7 +133,7 @@ def rehome_optimizer(optimizer, strategy):
         Integer, the number of optimizer variables that were re-created.
     """
     moved = 0
-    for opt in _optimizer_chain(optimizer):
+    for opt in nested_optimizers(optimizer):
         opt._distribution_strategy = strategy
         for variable in opt.variables:
             moved += rehome(variable, strategy)
@@ -135,20 +141,126 @@ def rehome_optimizer(optimizer, strategy):
 
 
 def reindex_optimizer(optimizer):
-    """Rebuilds an optimizer's slot index after model variables were re-homed."""
-    for opt in _optimizer_chain(optimizer):
-        if getattr(opt, "built", False) and hasattr(opt, "_trainable_variables"):
-            opt._trainable_variables_indices = {
-                opt._var_key(v): i for i, v in enumerate(opt._trainable_variables)
-            }
+    """Rebuilds an optimizer's (and every inner optimizer's) slot index after model variables were re-homed.
+
+    Keras keys its per-variable tables by the backing `tf.Variable`, which
+    re-homing replaces: the slot index of every optimizer, and a
+    `MultiOptimizer`'s table of which inner optimizer updates each variable
+    (its entries are in the order of the variables it was built with).
+    """
+    for opt in nested_optimizers(optimizer):
+        if not (getattr(opt, "built", False) and hasattr(opt, "_trainable_variables")):
+            continue
+        variables = opt._trainable_variables
+        dispatch = opt.__dict__.get("_var_to_optimizer_idx")
+        if isinstance(dispatch, dict) and len(dispatch) == len(variables):
+            opt._var_to_optimizer_idx = {opt._var_key(v): i for v, i in zip(variables, dispatch.values())}
+        opt._trainable_variables_indices = {opt._var_key(v): i for i, v in enumerate(variables)}
 
 
-def _optimizer_chain(optimizer):
-    chain = [optimizer]
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None:
-        chain.append(inner)
+_BUILDS_OUTSIDE_STEP = "_keras_dist_builds_outside_step"
+
+
+def build_outside_step(obj):
+    """Makes a Keras optimizer or layer create its variables outside the step function when built in one.
+
+    Keras builds an optimizer lazily, in its first `apply`, and a layer in
+    its first call (on one device, inside the first step of a model that has
+    no `call` for Keras to build it with beforehand). Inside a train step
+    under a multi-replica strategy that creates the variables inside the
+    step function (in a replica context, inside Keras' loop), and with
+    collective all-reduces (TensorFlow's default for `MirroredStrategy`, and
+    every multi-worker strategy) running it fails ('You must feed a value
+    for placeholder tensor'). Here a `build` called in a replica context
+    inside a function runs once, in cross-replica context (`merge_call`,
+    which every replica reaches, as every replica runs the same step) and
+    eagerly (`tf.init_scope`), with the same arguments and Keras name scopes:
+    the variables are created under the strategy's scope as if built before
+    `fit`, with the paths Keras gives them. Overrides the instance's `build`
+    only; idempotent.
+
+    Args:
+        obj: A `keras.optimizers.Optimizer` or `keras.layers.Layer`, built or not.
+
+    Returns:
+        Boolean, whether `obj` was changed now.
+
+    Distributed behavior:
+        The `merge_call` is a synchronization point of the replicas of this
+        worker, not a collective between workers: every worker builds its own.
+    """
+    if obj.__dict__.get(_BUILDS_OUTSIDE_STEP):
+        return False
+    build = obj.build  # A layer's is already Keras' per-instance wrapper (name scope, `built`).
+
+    @functools.wraps(build)  # Keras reads the signature to pass a layer's input shapes by name.
+    def build_once_in_cross_replica_context(*args, **kwargs):
+        context = tf.distribute.get_replica_context()
+        if context is None or not tf.distribute.has_strategy() or not tf.inside_function():
+            return build(*args, **kwargs)
+        # Keras' name scopes are per thread, and the merge may run in another: the variables' paths need these.
+        scopes = list(keras_global_state.get_global_attribute("name_scope_stack") or [])
+
+        def build_eagerly(strategy):
+            del strategy
+            own = keras_global_state.get_global_attribute("name_scope_stack")
+            keras_global_state.set_global_attribute("name_scope_stack", list(scopes))
+            try:
+                with tf.init_scope():
+                    if not obj.built:
+                        build(*args, **kwargs)
+            finally:
+                keras_global_state.set_global_attribute("name_scope_stack", own)
+
+        return context.merge_call(build_eagerly)
+
+    obj.__dict__["build"] = build_once_in_cross_replica_context
+    obj.__dict__[_BUILDS_OUTSIDE_STEP] = True
+    return True
+
+
+def nested_optimizers(optimizer):
+    """Returns `optimizer` and every Keras optimizer it holds, depth first, each once.
+
+    Inner optimizers are found in the optimizer's attributes, directly or in
+    lists, tuples and dicts (`LossScaleOptimizer.inner_optimizer`,
+    `MultiOptimizer`'s inner optimizers).
+    """
+    chain, seen = [], set()
+
+    def visit(opt):
+        if id(opt) in seen:
+            return
+        seen.add(id(opt))
+        chain.append(opt)
+        for inner in optimizers_in(vars(opt).values()):
+            visit(inner)
+
+    visit(optimizer)
     return chain
+
+
+def optimizers_in(values):
+    """Returns the Keras optimizers among `values` (and in their lists, tuples and dict values), each once."""
+    import keras
+
+    found, seen = [], set()
+
+    def visit(value, depth):
+        if isinstance(value, keras.optimizers.Optimizer):
+            if id(value) not in seen:
+                seen.add(id(value))
+                found.append(value)
+        elif depth < 3 and isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item, depth + 1)
+        elif depth < 3 and isinstance(value, dict):
+            for item in value.values():
+                visit(item, depth + 1)
+
+    for value in values:
+        visit(value, 0)
+    return found
 
 
 SEED_STATE_NAME = "seed_generator_state"

@@ -100,6 +100,11 @@ def _build_under_its_strategy(optimizer, *args, **kwargs):
         return keras_build(*args, **kwargs)
 
 
+def is_distributed_optimizer(optimizer):
+    """Returns whether `distributed_optimizer` was applied to `optimizer` (this instance)."""
+    return _OPTIONS in optimizer.__dict__
+
+
 def prepare_gradient_accumulation(optimizer, strategy, variables):
     """Creates the per-replica gradient sums for accumulation with one all-reduce per k micro-batches.
 

@@ -1,0 +1,74 @@
+"""A replica without examples gets an empty output and zero gradients from every convolution."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dist
+from keras_dist import _compat
+
+pytestmark = pytest.mark.compat
+
+
+def _separable_model(strategy):
+    inputs = keras.Input((4, 4, 2))
+    hidden = keras.layers.SeparableConv2D(3, 2)(inputs)
+    return keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(hidden)), strategy=strategy)
+
+
+def _replica_gradients(model, strategy, trials):
+    """Per trial: replica 1's output shape and kernel gradients, for a global batch of 1 (replica 1 gets none)."""
+    x = tf.ones((1, 4, 4, 2))
+    batches = strategy.experimental_distribute_values_from_function(
+        lambda context: x if context.replica_id_in_sync_group == 0 else x[:0]
+    )
+
+    @tf.function
+    def step(batch):
+        def replica(batch):
+            with tf.GradientTape() as tape:
+                y = model(batch, training=True)
+                loss = tf.reduce_sum(y)
+            return tf.shape(y), tape.gradient(loss, model.trainable_variables)
+
+        return strategy.run(replica, args=(batch,))
+
+    results = []
+    for _ in range(trials):
+        shapes, gradients = step(batches)
+        results.append(
+            (strategy.experimental_local_results(shapes)[1].numpy().tolist(),
+             [strategy.experimental_local_results(g)[1].numpy() for g in gradients])
+        )
+    return results
+
+
+def test_without_fix_an_empty_replica_gets_garbage_gradients(mirrored_1x2_cpu):
+    with _compat.disabled("empty_batch_convolution"):
+        model = _separable_model(mirrored_1x2_cpu)
+        results = _replica_gradients(model, mirrored_1x2_cpu, trials=10)
+    # TensorFlow's separable filter gradient over 0 examples is uninitialized memory (nonzero in most trials).
+    assert any(any(np.any(g != 0) for g in gradients) for _, gradients in results)
+
+
+def test_with_fix_an_empty_replica_gets_an_empty_output_and_zero_gradients(mirrored_1x2_cpu):
+    model = _separable_model(mirrored_1x2_cpu)
+    for shape, gradients in _replica_gradients(model, mirrored_1x2_cpu, trials=10):
+        assert shape == [0, 1]
+        for gradient in gradients:
+            np.testing.assert_array_equal(gradient, np.zeros_like(gradient))
+
+
+def test_with_fix_a_static_batch_runs_keras_own_op(mirrored_1x2_cpu):
+    """Where no batch can be empty (a static batch), or off the strategy, no `tf.cond` is added."""
+    model = _separable_model(mirrored_1x2_cpu)
+
+    def graph_ops(shape, strategy):
+        with strategy.scope():
+            graph = tf.function(lambda x: model(x)).get_concrete_function(tf.TensorSpec(shape, tf.float32)).graph
+        return {op.type for op in graph.get_operations()}
+
+    assert "If" in graph_ops((None, 4, 4, 2), mirrored_1x2_cpu) or "StatelessIf" in graph_ops((None, 4, 4, 2), mirrored_1x2_cpu)
+    assert not {"If", "StatelessIf"} & graph_ops((2, 4, 4, 2), mirrored_1x2_cpu)
+    assert not {"If", "StatelessIf"} & graph_ops((None, 4, 4, 2), tf.distribute.get_strategy())
