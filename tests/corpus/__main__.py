@@ -23,7 +23,7 @@ from corpus.programs import NAMES  # noqa: E402
 
 
 def main(names):
-    print(f"{'program':32} {'result':6} {'weights':>9} {'history':>9} {'evaluate':>9} {'predict':>9} {'1dev s':>7} {'2rep s':>7}")
+    print(f"{'program':32} {'result':6} {'weights':>9} {'history':>9} {'evaluate':>9} {'predict':>9} {'1dev s':>7} {'2rep s':>7} {'cpu s':>6}")
     for name in names or NAMES:
         program = harness.load(name)
         row = {"result": "FAIL"}
@@ -40,7 +40,7 @@ def main(names):
             row["t1"], row["t2"] = f"{reference['seconds']:.1f}", f"{got['seconds']:.1f}"
             print(
                 f"{name:32} {row['result']:6} {row.get('weights', '-'):>9} {row.get('history', '-'):>9} "
-                f"{row.get('evaluate', '-'):>9} {row.get('predict', '-'):>9} {row['t1']:>7} {row['t2']:>7}"
+                f"{row.get('evaluate', '-'):>9} {row.get('predict', '-'):>9} {row['t1']:>7} {row['t2']:>7} {reference['cpu_seconds'] + got['cpu_seconds']:6.1f}"
             )
             if row["result"] != "pass":
                 print("    " + harness.describe(report, reference["weight_paths"]).replace("\n", "\n    "))

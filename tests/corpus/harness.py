@@ -56,11 +56,12 @@ def run_program(program, Model, distribute, initial_weights=None):
     Returns:
         Dict: the program's `train` results (history, evaluate, predict, ...) converted
         to NumPy, plus `"initial_weights"` and `"weights"` (lists of arrays),
-        `"model"` (the trained model) and `"seconds"` (build + train wall time).
+        `"weight_paths"`, `"model"` (the trained model), and `"seconds"` and
+        `"cpu_seconds"` (build + train, wall and this process's CPU time).
     """
     import keras
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     keras.utils.set_random_seed(SEED)
     data = program.data()
     policy = keras.mixed_precision.global_policy()
@@ -78,6 +79,7 @@ def run_program(program, Model, distribute, initial_weights=None):
     results["weight_paths"] = [getattr(w, "path", w.name) for w in model.weights]
     results["model"] = model
     results["seconds"] = time.perf_counter() - start
+    results["cpu_seconds"] = time.process_time() - cpu_start
     return results
 
 
@@ -128,7 +130,7 @@ def compare(reference, got, tol=TOL):
         history lengths). Passing means `mismatched` is empty and every `excess`
         is <= 0 (`np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)`).
     """
-    skip = {"model", "seconds", "initial_weights", "weight_paths"}
+    skip = {"model", "seconds", "cpu_seconds", "initial_weights", "weight_paths"}
     groups = sorted(set(reference) - skip, key=lambda k: (COMPARED.index(k) if k in COMPARED else 9, k))
     report = {"mismatched": []}
     for group in groups:
@@ -231,7 +233,7 @@ def save_results(path, results):
     """Writes the compared groups of `run_program` results to an `.npz` (flat keys like `history.loss`)."""
     flat = {}
     for group, value in results.items():
-        if group not in ("model", "seconds", "weight_paths"):
+        if group not in ("model", "seconds", "cpu_seconds", "weight_paths"):
             flat.update(flatten(value, group))
     np.savez(path, **flat)
 
@@ -242,5 +244,8 @@ def load_results(path):
     with np.load(path) as npz:
         for key in npz.files:
             group, _, rest = key.partition(".")
-            results.setdefault(group, {})[rest] = npz[key]
+            if rest:
+                results.setdefault(group, {})[rest] = npz[key]
+            else:  # the whole group is one array (e.g. `predict`)
+                results[group] = npz[key]
     return results

@@ -108,6 +108,5 @@ def train(model, data):
     generated, last_logits = generate(model, start_tokens=[5, 7, 8], max_tokens=1)
     return {
         "history": history.history,
-        "evaluate": model.evaluate(x, y, batch_size=24, verbose=0, return_dict=True),
         "predict": {"generated_tokens": generated, "last_logits": last_logits},
     }

@@ -83,6 +83,6 @@ def train(siamese, data):
     )
     return {
         "history": history.history,
-        "evaluate": siamese.evaluate([x_val_1, x_val_2], labels_val, batch_size=16, verbose=0, return_dict=True),
-        "predict": siamese.predict([x_val_1, x_val_2], batch_size=16, verbose=0),
+        "evaluate": siamese.evaluate([x_val_1, x_val_2], labels_val, batch_size=30, verbose=0, return_dict=True),
+        "predict": siamese.predict([x_val_1, x_val_2], batch_size=30, verbose=0),
     }

@@ -41,7 +41,7 @@ def build(Model, distribute):
 
 def train(model, data):
     (x_train, y_train), (x_val, y_val) = data
-    history = model.fit(x_train, y_train, batch_size=32, epochs=2, verbose=0)
+    history = model.fit(x_train, y_train, batch_size=32, epochs=1, verbose=0)
     return {
         "history": history.history,
         "evaluate": model.evaluate(x_val, y_val, batch_size=32, verbose=0, return_dict=True),
