@@ -75,6 +75,7 @@ def build(Model, distribute):
     x = layers.Dropout(DROPOUT_RATE)(x)
     outputs = layers.Dense(2, activation="softmax")(x)
 
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs=inputs, outputs=outputs)
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model

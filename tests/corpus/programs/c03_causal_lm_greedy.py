@@ -72,6 +72,7 @@ def build(Model, distribute):
     transformer_block = TransformerBlock(embed_dim, num_heads, feed_forward_dim, rate=DROPOUT_RATE)
     x = transformer_block(x)
     outputs = layers.Dense(vocab_size)(x)
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs=inputs, outputs=[outputs, x])
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile("adam", loss=[loss_fn, None])  # No loss and optimization based on word embeddings from transformer block

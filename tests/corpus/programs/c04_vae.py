@@ -37,6 +37,7 @@ class Sampling(layers.Layer):
 
 
 def make_vae_class(Model):
+    # keras_dist: class ...(keras.Model) -> class ...(keras_dist.DistributedModel) (`Model` is either)
     class VAE(Model):
         def __init__(self, encoder, decoder, **kwargs):
             super().__init__(**kwargs)

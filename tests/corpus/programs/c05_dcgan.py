@@ -22,6 +22,7 @@ LABEL_NOISE = 0.0  # keras.io: 0.05
 
 
 def make_gan_class(Model):
+    # keras_dist: class ...(keras.Model) -> class ...(keras_dist.DistributedModel) (`Model` is either)
     class GAN(Model):
         def __init__(self, discriminator, generator, latent_dim):
             super().__init__()

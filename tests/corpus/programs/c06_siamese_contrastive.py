@@ -67,6 +67,7 @@ def build(Model, distribute):
     merge_layer = keras.layers.Lambda(euclidean_distance, output_shape=(1,))([tower_1, tower_2])
     normal_layer = keras.layers.BatchNormalization(synchronized=True)(merge_layer)
     output_layer = keras.layers.Dense(1, activation="sigmoid")(normal_layer)
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     siamese = Model(inputs=[input_1, input_2], outputs=output_layer)
     siamese.compile(loss=loss(margin=margin), optimizer="RMSprop", metrics=["accuracy"])
     return siamese

@@ -57,6 +57,7 @@ def build(Model, distribute):
 
     output_layer = keras.layers.Dense(num_classes, activation="softmax")(gap)
 
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs=input_layer, outputs=output_layer)
     model.compile(
         optimizer="adam",

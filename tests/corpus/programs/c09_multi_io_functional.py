@@ -52,6 +52,7 @@ def build(Model, distribute):
     department_pred = layers.Dense(num_departments, name="department")(x)
 
     # Instantiate an end-to-end model predicting both priority and department
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(
         inputs=[title_input, body_input, tags_input],
         outputs={"priority": priority_pred, "department": department_pred},

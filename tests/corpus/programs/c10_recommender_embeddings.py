@@ -23,6 +23,7 @@ num_movies = 3000
 
 
 def make_recommender_class(Model):
+    # keras_dist: class ...(keras.Model) -> class ...(keras_dist.DistributedModel) (`Model` is either)
     class RecommenderNet(Model):
         def __init__(self, num_users, num_movies, embedding_size, **kwargs):
             super().__init__(**kwargs)

@@ -77,7 +77,7 @@ def build(Model, distribute):
         return shallow_mlp_model
 
     shallow_mlp_model = make_model()
-    shallow_mlp_model = distribute(shallow_mlp_model)  # the one line keras-dist adds
+    shallow_mlp_model = distribute(shallow_mlp_model)  # keras_dist: the one line a user adds (the identity on one device)
     shallow_mlp_model.compile(loss="binary_crossentropy", optimizer="adam", metrics=["binary_accuracy"])
     return shallow_mlp_model
 

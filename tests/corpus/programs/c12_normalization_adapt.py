@@ -30,6 +30,7 @@ def build(Model, distribute):
     x = layers.Dense(16, activation="relu")(x)
     x = layers.Dense(16, activation="relu")(x)
     outputs = layers.Dense(1)(x)
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs, outputs)
     model.compile(
         optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),

@@ -38,6 +38,7 @@ def build(Model, distribute):
     # CORRECT: softmax and model output are float32
     x = layers.Dense(10, name="dense_logits")(x)
     outputs = layers.Activation("softmax", dtype="float32", name="predictions")(x)
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs=inputs, outputs=outputs)
     model.compile(
         loss="sparse_categorical_crossentropy",

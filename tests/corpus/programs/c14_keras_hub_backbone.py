@@ -248,7 +248,7 @@ def data():
 def build(Model, distribute):
     backbone = TinyBertBackbone.from_config(CONFIG)
     classifier = TinyBertTextClassifier(backbone, num_classes=3, dropout=CONFIG["dropout"])
-    classifier = distribute(classifier)  # the one line keras-dist adds
+    classifier = distribute(classifier)  # keras_dist: the one line a user adds (the identity on one device)
     classifier.compile(
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.01),

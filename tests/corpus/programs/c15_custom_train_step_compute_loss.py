@@ -15,6 +15,7 @@ CHANGE = "subclass"
 
 
 def make_custom_model_class(Model):
+    # keras_dist: class ...(keras.Model) -> class ...(keras_dist.DistributedModel) (`Model` is either)
     class CustomModel(Model):
         def train_step(self, data):
             # Unpack the data. Its structure depends on your model and

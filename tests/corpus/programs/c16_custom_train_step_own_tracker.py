@@ -16,6 +16,7 @@ CHANGE = "subclass"
 
 
 def make_custom_model_class(Model):
+    # keras_dist: class ...(keras.Model) -> class ...(keras_dist.DistributedModel) (`Model` is either)
     class CustomModel(Model):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)

@@ -40,6 +40,7 @@ def build(Model, distribute):
     inputs = keras.Input(shape=(4,))
     x = layers.Dense(8, activation="relu")(inputs)
     outputs = layers.Dense(2)(x)
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs, outputs)
     model.compile(
         optimizer=keras.optimizers.SGD(learning_rate=0.005, momentum=0.9),

@@ -27,6 +27,7 @@ def get_uncompiled_model(Model):
     x = layers.Dense(32, activation="relu", name="dense_1")(inputs)
     x = layers.Dense(32, activation="relu", name="dense_2")(x)
     outputs = layers.Dense(10, activation="softmax", name="predictions")(x)
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs=inputs, outputs=outputs)
     return model
 

@@ -41,6 +41,7 @@ def build(Model, distribute):
         activity_regularizer=keras.regularizers.l1(1e-4),
     )(x)
     outputs = layers.Dense(4, name="predictions")(x)
+    # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs=inputs, outputs=outputs)
     model.compile(
         optimizer=keras.optimizers.SGD(learning_rate=1e-3, momentum=0.9, nesterov=True),
