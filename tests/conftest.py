@@ -1,4 +1,4 @@
-"""Session set-up: 4 simulated CPU devices, before TensorFlow runs its first op.
+"""Session set-up: 4 simulated CPU devices and oneDNN off, before TensorFlow starts.
 
 Topology fixtures follow `<workers>x<replicas per worker>_<device>`; a test that
 needs another device count runs in a subprocess.
@@ -6,6 +6,10 @@ needs another device count runs in a subprocess.
 
 import os
 
+# oneDNN's CPU kernels round differently at different batch sizes (about 1e-3 after a few
+# steps): off, one device and N replicas agree to float rounding. It must be set before
+# TensorFlow is imported (here: keras_dist.testing below); worker processes inherit it.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_DIST_QUIET", "1")
 os.environ.pop("TF_CONFIG", None)
