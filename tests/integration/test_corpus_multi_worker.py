@@ -35,10 +35,7 @@ ENV = {
 # Fast, and one of each way in: distribute(Sequential) with validation_split, a functional
 # model with an adapted Normalization, a subclass with the guide's custom train_step, sample weights.
 PROGRAMS = ["c01_mnist_convnet", "c12_normalization_adapt", "c15_custom_train_step_compute_loss", "c20_sample_weight"]
-KNOWN_FAILURES = {
-    "c15_custom_train_step_compute_loss": "the guide's train_step with self.compute_loss: logged loss halved on 2 workers, 1.04 vs 2.09 "
-    "(as on 2 replicas, tests/unit/test_corpus.py)",
-}
+KNOWN_FAILURES = {}
 
 
 @pytest.fixture(scope="module")

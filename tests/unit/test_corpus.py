@@ -33,28 +33,9 @@ from corpus.programs import NAMES
 
 # Measured at 4ad5b55 and 2fa9a85 (keras 3.15.1, TensorFlow 2.21, oneDNN off); `python -m corpus NAME` shows the numbers now.
 KNOWN_FAILURES = {
-    "c02_transformer_classifier": "Adam on the ops.arange position embedding (same rows on every replica): weights 2.8e-3 "
-    "apart after 3 steps, evaluate accuracy 0.667 vs 0.633; with SGD, or no position embedding, 3e-8",
-    "c03_causal_lm_greedy": "Adam on the ops.arange position embedding (as c02): weights 2.3e-3 apart, the greedy "
-    "decoder's last logits 3.9e-2",
-    "c04_vae": "VAE(encoder, decoder): two positional arguments taken for functional (inputs, outputs); fit raises "
-    "\"'VAE' object has no attribute '_inputs'\"",
-    "c05_dcgan": "GAN with no call(): fit's symbolic build under the strategy raises 'Model GAN does not have a `call()` "
-    "method implemented'",
-    "c06_siamese_contrastive": "contrastive_loss returns one scalar (ops.mean over the batch): logged loss x2 (0.415 vs "
-    "0.208; evaluate 0.496 vs 0.248), weights 2.4e-3 apart; per-example (axis=-1) it matches to 1e-7",
-    "c07_seq2seq_masking": "masked (token-averaged) loss averaged per replica: weights 1.1e-2 apart (output bias), "
-    "accuracy history 0.133 vs 0.120; 1.7e-3 with SGD instead of RMSprop",
-    "c09_multi_io_functional": "evaluate at batch 35 (replicas get 18 and 17): the per-output department_loss log "
-    "1.51983 vs 1.5175 on one device (per-output loss trackers weight replicas equally); total loss and weights match",
-    "c15_custom_train_step_compute_loss": "the guide's train_step with self.compute_loss: weights match (7e-9), logged "
-    "loss halved (1.04 vs 2.09)",
-    "c16_custom_train_step_own_tracker": "own loss_fn and Mean tracker: weights match (9e-8), logged loss halved in fit "
-    "(0.74 vs 1.48) and in evaluate's own test_step (0.194 vs 0.389)",
-    "c17_scalar_loss_function": "scalar-returning loss: gradient x2 (SGD: weights 9.7e-2 apart), logged loss 3.42 vs "
-    "1.87 on one device",
-    "c21_add_loss_regularizers": "add_loss(ops.sum(activations) * 0.1) counts half on 2 replicas: logged loss 11.07 vs "
-    "20.29, weights 1.2e-2 apart; with ops.mean it matches to 1e-10",
+    "c21_add_loss_regularizers": "add_loss(ops.sum(activations) * 0.1), a sum over the batch: keras-dist takes an add_loss "
+    "value as a mean over the examples (as Keras' activity regularizers are) and counts it by the example share, so "
+    "on 2 even replicas it counts half (logged loss 11.07 vs 20.29); with ops.mean it matches to 1e-10 (docs/numerics.md)",
 }
 
 

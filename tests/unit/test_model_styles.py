@@ -204,7 +204,6 @@ def test_gan_matches_one_device(mirrored_1x2_cpu, optimizers):
     assert set(got) == set(expected) == {"d_loss", "g_loss"}
 
 
-@pytest.mark.xfail(strict=True, reason="losses a custom train_step logs through its own Mean are per-replica means (lead's loss-logging work)")
 def test_gan_logged_losses_match_one_device(mirrored_1x2_cpu):
     _, _, expected, got = _fit_gan(mirrored_1x2_cpu)
     for name in ("d_loss", "g_loss"):
@@ -296,7 +295,6 @@ def test_multi_optimizer_built_outside_the_scope_is_placed(mirrored_1x2_cpu):
     assert [int(o.iterations.numpy()) for o in (optimizer, *optimizer.optimizers)] == [2, 2, 2]
 
 
-@pytest.mark.xfail(strict=True, reason="case r09: MultiOptimizer's inner optimizers sum the summed gradients again")
 def test_multi_optimizer_matches_one_device(mirrored_1x2_cpu):
     reference = _body_head(keras.Model, {})
     model = _body_head(keras_dist.DistributedModel, {"strategy": mirrored_1x2_cpu})
