@@ -556,9 +556,34 @@ class DistributedModel(keras.Model):
 
         def run(data):
             with steps.user_step(self, data, options=self.communication.to_tensorflow()):
-                return step(data)
+                return self._with_global_metric_results(step(data))
 
         return run
+
+    def _with_global_metric_results(self, logs):
+        """`logs` a step of yours returned, each value named after one of `self.metrics` replaced by its global result.
+
+        keras.io returns `{m.name: m.result() for m in self.metrics}`: on a
+        replica `m.result()` reads that replica's state only, and Keras averages
+        the replicas' results, which an uneven split makes differ from one
+        device's. The metrics' state summed over the replicas (one all-reduce)
+        gives one device's results; other values are left as they are.
+        """
+        if not isinstance(logs, dict) or not _compat.is_active("cross_replica_metrics"):
+            return logs
+        names = {m.name for m in self.metrics}
+        if not any(key in names for key in logs):
+            return logs
+        results = tf.distribute.get_replica_context().merge_call(self._metrics_result_from_summed_state)
+        merged = dict(logs)
+        for key, value in logs.items():
+            if key not in names:
+                continue
+            if isinstance(value, dict):  # A metrics container (`compile_metrics`): one result per metric it holds.
+                merged[key] = {name: results.get(name, part) for name, part in value.items()}
+            elif key in results:
+                merged[key] = results[key]
+        return merged
 
     def get_metrics_result(self):
         """Returns the metric results, computed from state summed over all replicas."""

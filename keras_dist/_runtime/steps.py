@@ -65,6 +65,7 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
     x, y, sample_weight = ki.unpack_x_y_sample_weight(data)
     num_examples = batch_size_of(x)
     step = step_state.ReplicaStep(step_state.SUM, num_examples=num_examples)
+    loss_terms.one_device_scaling_installed()  # Also for the XLA pass, which records no terms.
     with step_state.running(step):
         if forward_backward is not None:  # Compiled: `call` cannot hold a collective there.
             if ride_along:
