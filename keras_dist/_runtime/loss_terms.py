@@ -105,13 +105,6 @@ class LossRecord:
         return not self.trackers and all(t.weighted_by_examples for t in self.terms)
 
 
-def _key():
-    context = tf.distribute.get_replica_context()
-    if context is None or tf.distribute.in_cross_replica_context():
-        return None
-    return id(context)
-
-
 def _install():
     batch_metrics.install()
     with _INSTALL_LOCK:
@@ -136,7 +129,7 @@ def _scale_loss_for_distribution(value):
 def _unscale_loss_for_distribution(value):
     if step_state.current() is None:
         return _ORIGINAL["unscale_loss_for_distribution"](value)
-    record = _RECORDS.get(_key())
+    record = _RECORDS.get(step_state.replica_key())
     if record is not None:
         _note_tracker(record)
     return value
@@ -184,7 +177,7 @@ def _note_tracker(record):
 
 def _recording_reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
     result = _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
-    record = _RECORDS.get(_key()) if step_state.current() is not None else None
+    record = _RECORDS.get(step_state.replica_key()) if step_state.current() is not None else None
     if record is None:
         return result
     record.terms.append(_term(result, values, sample_weight, mask, reduction, dtype))
@@ -233,7 +226,7 @@ def recording(model):
         term counts in the total.
     """
     _install()
-    key = _key()
+    key = step_state.replica_key()
     record = LossRecord(model)
     if key is None:
         yield record

@@ -58,7 +58,8 @@ class ReplicaStep:
         return tf.math.divide_no_nan(tf.cast(self.num_examples, tf.float32), tf.cast(self.global_examples, tf.float32))
 
 
-def _key():
+def replica_key():
+    """A key for this replica's context (an int), or `None` in cross-replica context or outside any strategy's replica."""
     context = tf.distribute.get_replica_context()
     if context is None or tf.distribute.in_cross_replica_context():
         return None
@@ -67,7 +68,7 @@ def _key():
 
 def current():
     """The `ReplicaStep` of the step running on this replica, or `None` (no step, or cross-replica context)."""
-    key = _key()
+    key = replica_key()
     return None if key is None else _STEPS.get(key)
 
 
@@ -78,7 +79,7 @@ def running(step):
     Re-entrant: an inner step (a user `train_step` calling keras-dist's own)
     shadows the outer one and restores it on exit.
     """
-    key = _key()
+    key = replica_key()
     if key is None:
         yield step
         return
