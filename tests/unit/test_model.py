@@ -168,6 +168,7 @@ def test_custom_train_step_with_sum_reduction_matches_single_device(mirrored_1x2
     for m in (reference, model):
         m.compile(optimizer="sgd")
     model.distribute_reduction_method = "sum"
+    model.custom_step_losses = "global"  # The step divides by the global batch itself (TensorFlow's guide).
     history_ref = reference.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False).history
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False).history
     assert max_weight_difference(reference, model) < 1e-6
