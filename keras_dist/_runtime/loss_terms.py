@@ -238,7 +238,6 @@ def recording(model):
             record.tape = tape
             yield record
     finally:
-        record.tape = tape
         if previous is None:
             _RECORDS.pop(key, None)
         else:
