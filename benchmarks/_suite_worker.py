@@ -70,8 +70,9 @@ def setup():
     if ARGS.system == "keras_dist":
         if ARGS.replicas > 1:
             os.environ["KERAS_DIST_CPU_REPLICAS"] = str(ARGS.replicas)
-        import keras_dist  # noqa: F401 (joins the cluster at import under TF_CONFIG)
         import keras
+
+        import keras_dist  # noqa: F401 (joins the cluster at import under TF_CONFIG)
 
         return keras, None
     os.environ["KERAS_BACKEND"] = "tensorflow"
@@ -147,7 +148,6 @@ def build(keras):
 
 def _sequence(keras, rng, batch):
     """Variable-length token sequences (8..64), padded per batch to one of 4 bucket lengths; masked GRU."""
-    import numpy as np
     import tensorflow as tf
 
     lengths = rng.randint(8, 65, batch * 8)
@@ -157,9 +157,13 @@ def _sequence(keras, rng, batch):
     def generate():
         yield from zip(tokens, labels)
 
-    ds = tf.data.Dataset.from_generator(
-        generate, output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32))
-    ).cache().repeat()
+    ds = (
+        tf.data.Dataset.from_generator(
+            generate, output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32))
+        )
+        .cache()
+        .repeat()
+    )
     # Padded to the bucket's upper bound: every batch has one of 4 static lengths (16, 32, 48, 64).
     ds = ds.bucket_by_sequence_length(
         lambda x, y: tf.shape(x)[0], [17, 33, 49, 65], [batch] * 5, pad_to_bucket_boundary=True, drop_remainder=True
@@ -226,6 +230,7 @@ def main():
     model, ds = make_model(keras, strategy, lambda: build(keras))
     fit = custom_loop(keras, strategy, model, ds) if ARGS.system == "keras_loop" else None
     if fit is None:
+
         def fit(steps_per_epoch, epochs, callbacks=()):
             model.fit(ds, steps_per_epoch=steps_per_epoch, epochs=epochs, verbose=0, callbacks=list(callbacks))
 
@@ -248,7 +253,7 @@ def main():
     if ARGS.system == "jax":
         replicas = ARGS.replicas
     elif ARGS.system == "tf_keras":
-        replicas = (strategy.num_replicas_in_sync if strategy is not None else 1)
+        replicas = strategy.num_replicas_in_sync if strategy is not None else 1
     else:
         replicas = model.distribute_strategy.num_replicas_in_sync
     if IS_CHIEF:

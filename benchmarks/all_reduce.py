@@ -177,7 +177,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the gradient all-reduce variants")
-    parser.add_argument("--only", choices=["all", "gradients"], default="all", help="run every section, or the gradient all-reduce only")
+    parser.add_argument(
+        "--only", choices=["all", "gradients"], default="all", help="run every section, or the gradient all-reduce only"
+    )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1"}
@@ -187,7 +189,19 @@ def main():
         script, out = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
         with open(script, "w") as f:
             f.write(WORKER)
-        command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", script, str(args.repeats), out, str(args.rounds), args.only]
+        command = [
+            sys.executable,
+            "-m",
+            "keras_dist.cli",
+            "launch",
+            "--num-workers",
+            "2",
+            script,
+            str(args.repeats),
+            out,
+            str(args.rounds),
+            args.only,
+        ]
         subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
         with open(out) as f:
             results = json.load(f)
@@ -196,7 +210,9 @@ def main():
     gradients = results["gradients_64MB"]
     print(f"{'gradient all-reduce, 64 MB float32 in 16 tensors':<50}{'seconds':>10}{'effective MB/s':>16}{'/ TCP':>8}")
     for name, r in gradients.items():
-        print(f"{name:<50}{r['seconds']:>10.4f}{r['effective_busbw_MBps']:>16,.0f}{r['effective_busbw_MBps'] / tcp:>7.2f}x")
+        print(
+            f"{name:<50}{r['seconds']:>10.4f}{r['effective_busbw_MBps']:>16,.0f}{r['effective_busbw_MBps'] / tcp:>7.2f}x"
+        )
     if args.only == "gradients":
         if args.json:
             with open(args.json, "w") as f:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 
-WORKER = r'''
+WORKER = r"""
 import json, sys, time
 import keras_dist
 import keras, numpy as np
@@ -66,7 +66,7 @@ model.fit(x, x, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[tim
 if keras_dist.is_chief():
     timed = steps
     json.dump({"seconds_per_step": timer.seconds / timed, "bytes_per_step": timer.bytes / timed}, open(out, "w"))
-'''
+"""
 
 
 def main():
@@ -84,19 +84,34 @@ def main():
             f.write(WORKER)
         for compression in ("none", "fp16", "bf16"):
             out = os.path.join(tmp, f"{compression}.json")
-            command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", script,
-                       compression, str(args.params), str(args.steps), out]
+            command = [
+                sys.executable,
+                "-m",
+                "keras_dist.cli",
+                "launch",
+                "--num-workers",
+                "2",
+                script,
+                compression,
+                str(args.params),
+                str(args.steps),
+                out,
+            ]
             subprocess.run(command, env=env, check=True, capture_output=True, timeout=600)
             with open(out) as f:
                 results[compression] = json.load(f)
     base = results["none"]
-    width = int(args.params ** 0.5)
-    print(f"2 workers on loopback, {width * width:,} float32 gradients "
-          f"({width * width * 4 / 2**20:.1f} MiB) per step, {args.steps} timed steps\n")
+    width = int(args.params**0.5)
+    print(
+        f"2 workers on loopback, {width * width:,} float32 gradients "
+        f"({width * width * 4 / 2**20:.1f} MiB) per step, {args.steps} timed steps\n"
+    )
     print(f"{'compression':<12}{'bytes/step':>14}{'vs none':>9}{'s/step':>10}{'vs none':>9}")
     for name, r in results.items():
-        print(f"{name:<12}{r['bytes_per_step']:>14,.0f}{r['bytes_per_step'] / base['bytes_per_step']:>8.2f}x"
-              f"{r['seconds_per_step']:>10.3f}{r['seconds_per_step'] / base['seconds_per_step']:>8.2f}x")
+        print(
+            f"{name:<12}{r['bytes_per_step']:>14,.0f}{r['bytes_per_step'] / base['bytes_per_step']:>8.2f}x"
+            f"{r['seconds_per_step']:>10.3f}{r['seconds_per_step'] / base['seconds_per_step']:>8.2f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": width * width, "steps": args.steps, "results": results}, f, indent=2)

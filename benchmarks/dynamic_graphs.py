@@ -42,7 +42,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-VARIABLE_LENGTH = r'''
+VARIABLE_LENGTH = r"""
 import json, sys, time
 import keras_dist.testing
 args = json.loads(sys.argv[1])
@@ -94,9 +94,9 @@ print("RESULT " + json.dumps({
     "train_traces": history.history["train_traces"],
     "seconds_per_epoch": history.history["seconds"],
 }), flush=True)
-'''
+"""
 
-FIXED_SHAPE = r'''
+FIXED_SHAPE = r"""
 import json, sys, time
 import keras_dist.testing
 args = json.loads(sys.argv[1])
@@ -139,7 +139,7 @@ class StepTimes(keras.callbacks.Callback):
 
 model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[StepTimes()], shuffle=False)
 print("RESULT " + json.dumps({"median_step_seconds": statistics.median(StepTimes.times[5:])}), flush=True)
-'''
+"""
 
 
 def _run(program, args):
@@ -147,9 +147,13 @@ def _run(program, args):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="device_compiler=2", KERAS_DIST_QUIET="1")
     process = subprocess.run(
         [sys.executable, "-c", "import statistics\n" + program, json.dumps(args)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    results = [line[len("RESULT "):] for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [line[len("RESULT ") :] for line in process.stdout.splitlines() if line.startswith("RESULT ")]
     if process.returncode != 0 or not results:
         raise RuntimeError(f"benchmark run failed ({args}):\n{process.stderr[-3000:]}")
     compilations, per_epoch = 0, []
@@ -167,7 +171,11 @@ def main():
     parser.add_argument("--cpu-replicas", type=int, default=2)
     parser.add_argument("--examples", type=int, default=2048)
     parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--boundaries", default="16,32,64,128", help="bucket boundaries, tokens (the last bucket ends at --max-length + 1)")
+    parser.add_argument(
+        "--boundaries",
+        default="16,32,64,128",
+        help="bucket boundaries, tokens (the last bucket ends at --max-length + 1)",
+    )
     parser.add_argument("--global-batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="steps per fixed-shape run")
@@ -177,29 +185,46 @@ def main():
     started = time.perf_counter()
     boundaries = [int(b) for b in args.boundaries.split(",")] + [args.max_length + 1]
 
-    print(f"Part 1: {args.examples} sequences of 4-{args.max_length} tokens, global batch {args.global_batch_size}, "
-          f"{args.cpu_replicas} CPU replicas, {args.epochs} epochs, {args.repeats} interleaved runs each")
+    print(
+        f"Part 1: {args.examples} sequences of 4-{args.max_length} tokens, global batch {args.global_batch_size}, "
+        f"{args.cpu_replicas} CPU replicas, {args.epochs} epochs, {args.repeats} interleaved runs each"
+    )
     variable = {}
     for _ in range(args.repeats):
         for pipeline in ("padded_batch", "bucketed"):
             for jit_compile in (False, True):
-                result, compilations = _run(VARIABLE_LENGTH, dict(
-                    cpu_replicas=args.cpu_replicas, examples=args.examples, max_length=args.max_length,
-                    boundaries=boundaries, global_batch_size=args.global_batch_size, epochs=args.epochs,
-                    pipeline=pipeline, jit_compile=jit_compile,
-                ))
+                result, compilations = _run(
+                    VARIABLE_LENGTH,
+                    dict(
+                        cpu_replicas=args.cpu_replicas,
+                        examples=args.examples,
+                        max_length=args.max_length,
+                        boundaries=boundaries,
+                        global_batch_size=args.global_batch_size,
+                        epochs=args.epochs,
+                        pipeline=pipeline,
+                        jit_compile=jit_compile,
+                    ),
+                )
                 result["xla_compilations"] = compilations
                 variable.setdefault(f"{pipeline} jit_compile={jit_compile}", []).append(result)
-    print(f"{'pipeline':<30} {'padding':>8} {'traces/epoch':>14} {'XLA compilations/epoch':>24} {'s/epoch (1st)':>14} {'s/epoch (later)':>16}")
+    print(
+        f"{'pipeline':<30} {'padding':>8} {'traces/epoch':>14} {'XLA compilations/epoch':>24} {'s/epoch (1st)':>14} {'s/epoch (later)':>16}"
+    )
     summary = {}
     for name, runs in variable.items():
         first = statistics.median(r["seconds_per_epoch"][0] for r in runs)
         later = statistics.median(s for r in runs for s in r["seconds_per_epoch"][1:])
         summary[name] = dict(runs[0], first_epoch_seconds=first, later_epoch_seconds=later)
-        print(f"{name:<30} {runs[0]['padding_fraction']:>8.0%} {str(runs[0]['train_traces']):>14} "
-              f"{str(runs[0]['xla_compilations']):>24} {first:>14.2f} {later:>16.2f}")
+        print(
+            f"{name:<30} {runs[0]['padding_fraction']:>8.0%} {str(runs[0]['train_traces']):>14} "
+            f"{str(runs[0]['xla_compilations']):>24} {first:>14.2f} {later:>16.2f}"
+        )
     for jit_compile in (False, True):
-        ratio = summary[f"bucketed jit_compile={jit_compile}"]["later_epoch_seconds"] / summary[f"padded_batch jit_compile={jit_compile}"]["later_epoch_seconds"]
+        ratio = (
+            summary[f"bucketed jit_compile={jit_compile}"]["later_epoch_seconds"]
+            / summary[f"padded_batch jit_compile={jit_compile}"]["later_epoch_seconds"]
+        )
         print(f"bucketed / padded_batch, later epochs, jit_compile={jit_compile}: {ratio:.2f}x")
 
     print(f"\nPart 2: fixed shapes, global batch 256, {args.cpu_replicas} CPU replicas, median step time")
@@ -207,7 +232,16 @@ def main():
     for _ in range(args.repeats):
         for workload in ("cnn", "mlp"):
             for jit_compile in (False, True):
-                result, _ = _run(FIXED_SHAPE, dict(cpu_replicas=args.cpu_replicas, workload=workload, jit_compile=jit_compile, global_batch_size=256, steps=args.steps))
+                result, _ = _run(
+                    FIXED_SHAPE,
+                    dict(
+                        cpu_replicas=args.cpu_replicas,
+                        workload=workload,
+                        jit_compile=jit_compile,
+                        global_batch_size=256,
+                        steps=args.steps,
+                    ),
+                )
                 fixed.setdefault((workload, jit_compile), []).append(result["median_step_seconds"])
     fixed_summary = {}
     for workload in ("cnn", "mlp"):

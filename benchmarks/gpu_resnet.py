@@ -86,13 +86,16 @@ def measure(args):
     if tf.config.list_physical_devices("GPU"):
         peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**30
     with open(args.out, "w") as f:
-        json.dump({
-            "step_seconds": step_seconds,
-            "startup_seconds": startup_seconds,
-            "peak_memory_gib_gpu0": peak,
-            "num_replicas_in_sync": strategy.num_replicas_in_sync,
-            "devices": [d.name for d in tf.config.list_logical_devices("GPU")] or ["CPU"],
-        }, f)
+        json.dump(
+            {
+                "step_seconds": step_seconds,
+                "startup_seconds": startup_seconds,
+                "peak_memory_gib_gpu0": peak,
+                "num_replicas_in_sync": strategy.num_replicas_in_sync,
+                "devices": [d.name for d in tf.config.list_logical_devices("GPU")] or ["CPU"],
+            },
+            f,
+        )
 
 
 def main():
@@ -121,9 +124,22 @@ def main():
         for _ in range(args.repeats):
             for name in runs:
                 out = os.path.join(tmp, f"{name}.json")
-                command = [sys.executable, os.path.abspath(__file__), "--system", name, "--out", out,
-                           "--global-batch-size", str(args.global_batch_size), "--image-size", str(args.image_size),
-                           "--steps", str(args.steps), "--epochs", str(args.epochs)]
+                command = [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--system",
+                    name,
+                    "--out",
+                    out,
+                    "--global-batch-size",
+                    str(args.global_batch_size),
+                    "--image-size",
+                    str(args.image_size),
+                    "--steps",
+                    str(args.steps),
+                    "--epochs",
+                    str(args.epochs),
+                ]
                 env["GPU_RESNET_STARTED_AT"] = repr(time.time())
                 proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
                 if proc.returncode != 0:
@@ -145,13 +161,17 @@ def main():
             "runs": results,
         }
     first = next(iter(summary.values()))
-    print(f"ResNet-50, mixed_float16, {args.image_size}x{args.image_size}x3, global batch {args.global_batch_size}, "
-          f"{first['num_replicas_in_sync']} replica(s) on {', '.join(first['devices'])}")
+    print(
+        f"ResNet-50, mixed_float16, {args.image_size}x{args.image_size}x3, global batch {args.global_batch_size}, "
+        f"{first['num_replicas_in_sync']} replica(s) on {', '.join(first['devices'])}"
+    )
     print(f"{'system':<12}{'ms/step':>10}{'examples/s':>12}{'peak GiB':>10}{'startup s':>11}")
     for name, r in summary.items():
         peak = f"{r['peak_memory_gib_gpu0']:.2f}" if r["peak_memory_gib_gpu0"] is not None else "-"
-        print(f"{name:<12}{r['median_step_seconds'] * 1e3:>10.1f}{r['examples_per_second']:>12,.0f}{peak:>10}"
-              f"{r['startup_seconds']:>11.1f}")
+        print(
+            f"{name:<12}{r['median_step_seconds'] * 1e3:>10.1f}{r['examples_per_second']:>12,.0f}{peak:>10}"
+            f"{r['startup_seconds']:>11.1f}"
+        )
     if "keras_dist" in summary and "keras" in summary:
         ratio = summary["keras_dist"]["median_step_seconds"] / summary["keras"]["median_step_seconds"]
         print(f"keras_dist / keras step time: {ratio:.2f}x")

@@ -37,13 +37,13 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_DIST_QUIET", "1")
 
-import keras_dist  # noqa: E402  (first: sets the Keras backend before keras loads)
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
+
+import keras_dist  # noqa: E402  (first: sets the Keras backend before keras loads)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cpu-replicas", type=int, default=2)
@@ -124,8 +124,10 @@ fit_rate = time_fit(dataset, examples_per_epoch, args.epochs)
 cached_rate = time_fit(dataset.take(1).cache().repeat(), steps * B, args.epochs)
 
 replicas = strategy.num_replicas_in_sync
-print(f"\ndigits_cnn: {replicas} replica(s) ({type(strategy).__name__}), global batch {B} "
-      f"({B // replicas} per replica), {steps} steps x {args.epochs} timed epochs\n")
+print(
+    f"\ndigits_cnn: {replicas} replica(s) ({type(strategy).__name__}), global batch {B} "
+    f"({B // replicas} per replica), {steps} steps x {args.epochs} timed epochs\n"
+)
 print(f"{'measured':<42}{'examples/s':>12}")
 print(f"{'input pipeline alone (distributed dataset)':<42}{input_rate:>12,.0f}")
 print(f"{'training step, model.fit on the pipeline':<42}{fit_rate:>12,.0f}")

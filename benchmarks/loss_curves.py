@@ -71,7 +71,9 @@ def train(args):
         .batch(args.global_batch_size)
     )
     step_loss = []
-    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: step_loss.append(float(logs["loss"])))
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: step_loss.append(float(logs["loss"]))
+    )
     history = model.fit(train_ds, epochs=args.epochs, callbacks=[record], verbose=0)
     if keras_dist.is_chief():
         result = {
@@ -86,8 +88,20 @@ def train(args):
 
 def _run_child(run, args, out):
     script = os.path.abspath(__file__)
-    options = ["--run", run, "--out", out, "--epochs", str(args.epochs), "--seed", str(args.seed),
-               "--global-batch-size", str(args.global_batch_size), "--dropout", str(args.dropout)]
+    options = [
+        "--run",
+        run,
+        "--out",
+        out,
+        "--epochs",
+        str(args.epochs),
+        "--seed",
+        str(args.seed),
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--dropout",
+        str(args.dropout),
+    ]
     if run == "workers_2x1":
         command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", script, *options]
     else:
@@ -105,8 +119,13 @@ def main():
     args = _parse()
     if args.run:
         return train(args)
-    results = {"global_batch_size": args.global_batch_size, "epochs": args.epochs, "seed": args.seed,
-               "dropout": args.dropout, "runs": {}}
+    results = {
+        "global_batch_size": args.global_batch_size,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "dropout": args.dropout,
+        "runs": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for run in RUNS:
             results["runs"][run] = _run_child(run, args, os.path.join(tmp, run + ".json"))

@@ -38,28 +38,47 @@ def all_reduce_figure(results, path):
 
 def loss_curves_figure(results, path):
     """Keras' running loss after each step on 1 device, 2 CPU replicas and 2 workers; the curves coincide."""
-    labels = {"one_device": "1 device", "cpu_replicas_1x2": "2 CPU replicas (1 worker)", "workers_2x1": "2 workers x 1 replica"}
-    styles = {"one_device": ("#4a7ebb", "-", 3.0), "cpu_replicas_1x2": ("#c0504d", "--", 1.8), "workers_2x1": ("#2f2f2f", ":", 1.8)}
+    labels = {
+        "one_device": "1 device",
+        "cpu_replicas_1x2": "2 CPU replicas (1 worker)",
+        "workers_2x1": "2 workers x 1 replica",
+    }
+    styles = {
+        "one_device": ("#4a7ebb", "-", 3.0),
+        "cpu_replicas_1x2": ("#c0504d", "--", 1.8),
+        "workers_2x1": ("#2f2f2f", ":", 1.8),
+    }
     figure, axis = plt.subplots(figsize=(5, 3.2))
     for run, curve in results["runs"].items():
         color, linestyle, width = styles.get(run, ("gray", "-", 1.0))
-        axis.plot(range(1, len(curve["step_loss"]) + 1), curve["step_loss"], color=color, linestyle=linestyle,
-                  linewidth=width, label=labels.get(run, run))
+        axis.plot(
+            range(1, len(curve["step_loss"]) + 1),
+            curve["step_loss"],
+            color=color,
+            linestyle=linestyle,
+            linewidth=width,
+            label=labels.get(run, run),
+        )
     axis.set_yscale("log")
     axis.set_xlabel("training step")
     axis.set_ylabel("training loss (running mean of the epoch)")
-    axis.set_title(f"digits CNN, global batch {results['global_batch_size']}, seed {results['seed']}: "
-                   f"largest difference {results['max_abs_difference']:.1g}", fontsize=8)
+    axis.set_title(
+        f"digits CNN, global batch {results['global_batch_size']}, seed {results['seed']}: "
+        f"largest difference {results['max_abs_difference']:.1g}",
+        fontsize=8,
+    )
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
-
-
 SYSTEM_COLORS = {
-    "keras_dist": "#4a7ebb", "keras": "#9bbb59", "keras_loop": "#c0504d", "tf_keras": "#8064a2", "jax": "#f79646",
+    "keras_dist": "#4a7ebb",
+    "keras": "#9bbb59",
+    "keras_loop": "#c0504d",
+    "tf_keras": "#8064a2",
+    "jax": "#f79646",
 }
 
 

@@ -231,8 +231,17 @@ def main():
                 command = [sys.executable, *worker_args]
                 run_env = {**env, "KERAS_DIST_CPU_REPLICAS": str(replicas)}
             else:
-                command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", str(workers),
-                           "--cpu-replicas", str(replicas), *worker_args]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "keras_dist.cli",
+                    "launch",
+                    "--num-workers",
+                    str(workers),
+                    "--cpu-replicas",
+                    str(replicas),
+                    *worker_args,
+                ]
                 run_env = env
             proc = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=900)
             if proc.returncode != 0:
@@ -249,18 +258,24 @@ def main():
 def print_tables(results):
     topologies = list(results)
     names = list(dict.fromkeys(name for r in results.values() for name in r["ms_per_step"]))
-    print(f"\nms per step (median of the repeats), MLP 784-512-512-10\n{'variant':<50}" +
-          "".join(f"{t:>10}" for t in topologies))
+    print(
+        f"\nms per step (median of the repeats), MLP 784-512-512-10\n{'variant':<50}"
+        + "".join(f"{t:>10}" for t in topologies)
+    )
     for name in names:
         cells = [results[t]["ms_per_step"].get(name) for t in topologies]
         print(f"{name:<50}" + "".join(f"{c:>10.2f}" if c is not None else f"{'-':>10}" for c in cells))
-    print(f"\nwhere the time goes (differences of the rows above, ms per step)\n{'part':<50}" +
-          "".join(f"{t:>10}" for t in topologies))
+    print(
+        f"\nwhere the time goes (differences of the rows above, ms per step)\n{'part':<50}"
+        + "".join(f"{t:>10}" for t in topologies)
+    )
     for label, name, base in BREAKDOWN:
         cells = []
         for t in topologies:
             ms = results[t]["ms_per_step"]
-            cells.append(ms[name] - (ms[base] if base else 0.0) if name in ms and (base is None or base in ms) else None)
+            cells.append(
+                ms[name] - (ms[base] if base else 0.0) if name in ms and (base is None or base in ms) else None
+            )
         print(f"{label:<50}" + "".join(f"{c:>10.2f}" if c is not None else f"{'-':>10}" for c in cells))
     fixes = sorted({n for r in results.values() for n in r["ms_per_step"] if n.startswith("keras_dist_fit-")})
     for name in fixes:
@@ -270,16 +285,28 @@ def print_tables(results):
             cells.append(ms["keras_dist_fit"] - ms[name] if name in ms else None)
         label = "fix " + name.split("-", 1)[1] + " costs"
         print(f"{label:<50}" + "".join(f"{c:>10.2f}" if c is not None else f"{'-':>10}" for c in cells))
-    print("\nops in the traced step (all replicas of this worker; collectives = Collective* ops, AddN sums on one host)")
+    print(
+        "\nops in the traced step (all replicas of this worker; collectives = Collective* ops, AddN sums on one host)"
+    )
     for t in topologies:
         graphs = results[t].get("graph_ops", {})
-        print(f"  {t}: " + ", ".join(
-            f"{name} {g['total']} ops ({_collectives(g['by_type'])} collectives, {g['by_type'].get('AddN', 0)} AddN)"
-            for name, g in graphs.items()))
+        print(
+            f"  {t}: "
+            + ", ".join(
+                f"{name} {g['total']} ops ({_collectives(g['by_type'])} collectives, {g['by_type'].get('AddN', 0)} AddN)"
+                for name, g in graphs.items()
+            )
+        )
     print("\nfirst fit call (trace + first step), seconds")
     for t in topologies:
-        print(f"  {t}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[t]["first_call_seconds"].items()
-                                    if "-" not in k and k != "keras_fit_cb"))
+        print(
+            f"  {t}: "
+            + ", ".join(
+                f"{k} {v:.2f}"
+                for k, v in results[t]["first_call_seconds"].items()
+                if "-" not in k and k != "keras_fit_cb"
+            )
+        )
 
 
 def _collectives(by_type):

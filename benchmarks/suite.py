@@ -93,8 +93,21 @@ def command_for(system, topology, workload, args, out):
     """Returns the command line that measures `system` on `topology` and writes JSON to `out`."""
     workers, replicas, gpu = parse_topology(topology)
     worker_system = "keras_dist" if system == "keras_dist_tf_threads" else system
-    script = [WORKER, "--system", worker_system, "--workload", workload, "--steps", str(args.steps),
-              "--epochs", str(args.epochs + 1), "--global-batch-size", str(args.global_batch_size), "--out", out]
+    script = [
+        WORKER,
+        "--system",
+        worker_system,
+        "--workload",
+        workload,
+        "--steps",
+        str(args.steps),
+        "--epochs",
+        str(args.epochs + 1),
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--out",
+        out,
+    ]
     if gpu:
         script.append("--gpu")
     if workers == 1:
@@ -160,9 +173,12 @@ def run_suite(args):
                             row["note"] = _explain(system, topology, result["error"])  # Not retried.
                             continue
                         row["runs"].append(result)
-                        print(f"  {workload:<9}{topology:<5}{system:<22} repeat {repeat + 1}: "
-                              f"{statistics.median(result['step_seconds']) * 1e3:8.2f} ms/step, "
-                              f"startup {result['startup_seconds']:.1f} s", flush=True)
+                        print(
+                            f"  {workload:<9}{topology:<5}{system:<22} repeat {repeat + 1}: "
+                            f"{statistics.median(result['step_seconds']) * 1e3:8.2f} ms/step, "
+                            f"startup {result['startup_seconds']:.1f} s",
+                            flush=True,
+                        )
     return _rows_with_ratios(rows, args)
 
 
@@ -184,7 +200,9 @@ def _rows_with_ratios(rows, args):
     for r in results:
         if "median_step_seconds" not in r:
             continue
-        own_single = index.get((r["workload"], "1x1", "keras_dist" if r["system"] == "keras_dist_tf_threads" else r["system"]))
+        own_single = index.get(
+            (r["workload"], "1x1", "keras_dist" if r["system"] == "keras_dist_tf_threads" else r["system"])
+        )
         if own_single and "median_step_seconds" in own_single:
             r["vs_own_1x1"] = r["median_step_seconds"] / own_single["median_step_seconds"]
         ours = index.get((r["workload"], r["topology"], "keras_dist"))
@@ -198,21 +216,27 @@ def _rows_with_ratios(rows, args):
 def print_table(results, args):
     """Prints one table per workload."""
     for workload in args.workloads:
-        print(f"\n{workload}: global batch {args.global_batch_size}, {args.steps} steps x {args.epochs} timed epochs "
-              f"x {args.repeats} repeats (median step time; spread = range of the repeats' medians / median)")
-        print(f"{'topology':<9}{'system':<23}{'ms/step':>9}{'examples/s':>12}{'spread':>8}{'vs own 1x1':>12}"
-              f"{'kd / this':>11}{'startup s':>11}{'kd startup / this':>19}")
+        print(
+            f"\n{workload}: global batch {args.global_batch_size}, {args.steps} steps x {args.epochs} timed epochs "
+            f"x {args.repeats} repeats (median step time; spread = range of the repeats' medians / median)"
+        )
+        print(
+            f"{'topology':<9}{'system':<23}{'ms/step':>9}{'examples/s':>12}{'spread':>8}{'vs own 1x1':>12}"
+            f"{'kd / this':>11}{'startup s':>11}{'kd startup / this':>19}"
+        )
         for r in results:
             if r["workload"] != workload:
                 continue
             if "median_step_seconds" not in r:
                 print(f"{r['topology']:<9}{r['system']:<23}  {r['note']}")
                 continue
-            ratio = lambda key: f"{r[key]:.2f}x" if key in r else "-"  # noqa: E731
-            print(f"{r['topology']:<9}{r['system']:<23}{r['median_step_seconds'] * 1e3:>9.2f}"
-                  f"{r['examples_per_second']:>12,.0f}{r['spread'] * 100:>7.0f}%{ratio('vs_own_1x1'):>12}"
-                  f"{ratio('keras_dist_over_system'):>11}{r['startup_seconds']:>11.1f}"
-                  f"{ratio('keras_dist_startup_over_system'):>19}")
+            ratio = lambda key, r=r: f"{r[key]:.2f}x" if key in r else "-"  # noqa: E731
+            print(
+                f"{r['topology']:<9}{r['system']:<23}{r['median_step_seconds'] * 1e3:>9.2f}"
+                f"{r['examples_per_second']:>12,.0f}{r['spread'] * 100:>7.0f}%{ratio('vs_own_1x1'):>12}"
+                f"{ratio('keras_dist_over_system'):>11}{r['startup_seconds']:>11.1f}"
+                f"{ratio('keras_dist_startup_over_system'):>19}"
+            )
 
 
 def _gpus_present():
@@ -231,6 +255,7 @@ def _csv(choices):
         if bad:
             raise argparse.ArgumentTypeError(f"expected some of {', '.join(choices)}; received {', '.join(bad)}")
         return values
+
     return parse
 
 
@@ -239,22 +264,31 @@ def _check_topologies(topologies):
         try:
             workers, replicas, _ = parse_topology(text)
             assert workers >= 1 and replicas >= 1
-        except (ValueError, AssertionError):
-            raise SystemExit(f"--topologies: expected <workers>x<replicas> such as 1x2, or gpu; received {text!r}")
+        except (ValueError, AssertionError) as error:
+            raise SystemExit(
+                f"--topologies: expected <workers>x<replicas> such as 1x2, or gpu; received {text!r}"
+            ) from error
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", type=_csv(WORKLOADS), default=["mlp", "cnn"])
-    parser.add_argument("--topologies", type=_csv(None), default=None,
-                        help="default 1x1,1x2,2x1,2x2 (and gpu when GPUs are present)")
-    parser.add_argument("--systems", type=_csv(SYSTEMS), default=["keras_dist", "keras", "keras_loop", "tf_keras", "jax"])
+    parser.add_argument(
+        "--topologies", type=_csv(None), default=None, help="default 1x1,1x2,2x1,2x2 (and gpu when GPUs are present)"
+    )
+    parser.add_argument(
+        "--systems", type=_csv(SYSTEMS), default=["keras_dist", "keras", "keras_loop", "tf_keras", "jax"]
+    )
     parser.add_argument("--steps", type=int, default=8, help="steps per timed epoch")
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per process (after 1 warm-up epoch)")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds over all systems")
     parser.add_argument("--global-batch-size", type=int, default=256)
-    parser.add_argument("--threads-per-worker", type=int, default=None,
-                        help="passed to keras-dist launch for every system (default: the launcher's default)")
+    parser.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=None,
+        help="passed to keras-dist launch for every system (default: the launcher's default)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per measurement")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
@@ -273,7 +307,9 @@ def main():
         config = {k: v for k, v in vars(args).items() if k != "json"}
         machine = {"cpu_count": os.cpu_count(), "load_average_start": load_before, "load_average_end": load_after}
         with open(args.json, "w") as f:
-            json.dump({"config": config, "machine": machine, "elapsed_seconds": elapsed, "results": results}, f, indent=2)
+            json.dump(
+                {"config": config, "machine": machine, "elapsed_seconds": elapsed, "results": results}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

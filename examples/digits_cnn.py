@@ -44,25 +44,25 @@ import os
 import sys
 import time
 
-# keras_dist: importing it sets KERAS_BACKEND=tensorflow (if unset), applies
-# KERAS_DIST_CPU_REPLICAS when that environment variable is set, and, when
-# TF_CONFIG describes several workers (`keras-dist launch`), joins the cluster.
-import keras_dist
-
 import keras
 import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
+# keras_dist: importing it sets KERAS_BACKEND=tensorflow (if unset), applies
+# KERAS_DIST_CPU_REPLICAS when that environment variable is set, and, when
+# TF_CONFIG describes several workers (`keras-dist launch`), joins the cluster.
+import keras_dist
+
 parser = argparse.ArgumentParser(description="Train a CNN on the digits with keras-dist.")
 parser.add_argument("--epochs", type=int, default=20)
 parser.add_argument("--global-batch-size", type=int, default=64)
-parser.add_argument("--cpu-replicas", type=int, default=2,
-                    help="simulated CPU replicas when there is no GPU (default: 2)")
+parser.add_argument(
+    "--cpu-replicas", type=int, default=2, help="simulated CPU replicas when there is no GPU (default: 2)"
+)
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--smoke", action="store_true",
-                    help="2 epochs and no accuracy check (for CI)")
+parser.add_argument("--smoke", action="store_true", help="2 epochs and no accuracy check (for CI)")
 # In a notebook, sys.argv holds the kernel's own arguments: use the defaults.
 args = parser.parse_args([] if "ipykernel" in sys.modules else None)
 epochs = 2 if args.smoke else args.epochs
@@ -94,9 +94,7 @@ testing.
 digits = load_digits()
 x = (digits.images / 16.0).astype("float32")[..., np.newaxis]  # (1797, 8, 8, 1)
 y = digits.target.astype("int32")
-x_train, x_test, y_train, y_test = train_test_split(
-    x, y, test_size=0.2, stratify=y, random_state=args.seed
-)
+x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, stratify=y, random_state=args.seed)
 print(f"train images: {len(x_train)}, test images: {len(x_test)}")
 
 """

@@ -44,11 +44,20 @@ if not _is_keras_dist_command():
     _join_cluster_at_import()
 
     from keras_dist._model import DistributedModel
-    from keras_dist.collectives import CommunicationOptions, distributed_optimizer
     from keras_dist._runtime.devices import simulate_cpu_replicas
     from keras_dist._wrap import distribute
-    from keras_dist.strategy import ClusterInfo, Plan, cluster_info, describe, is_chief
-    from keras_dist.strategy import num_workers, resolve_strategy, task_id, task_type
+    from keras_dist.collectives import CommunicationOptions, distributed_optimizer
+    from keras_dist.strategy import (
+        ClusterInfo,
+        Plan,
+        cluster_info,
+        describe,
+        is_chief,
+        num_workers,
+        resolve_strategy,
+        task_id,
+        task_type,
+    )
 
 __all__ = [
     "ClusterInfo",

@@ -15,9 +15,9 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _compat, collectives, errors
+from keras_dist._runtime import build_context, empty_batch, step_state, steps, variables
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import layers as runtime_layers
-from keras_dist._runtime import build_context, empty_batch, step_state, steps, variables
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _coordination as callbacks_coordination
 from keras_dist.callbacks import _resume as callbacks_resume
@@ -127,7 +127,7 @@ class DistributedModel(keras.Model):
                 "A DistributedModel must be created under its own strategy's scope or under "
                 f"none. Received: strategy={type(resolved).__name__} inside the scope of "
                 f"another {type(tf.distribute.get_strategy()).__name__}. Fix: leave "
-                "`strategy=\"auto\"` to use the enclosing scope's strategy, or create the "
+                '`strategy="auto"` to use the enclosing scope\'s strategy, or create the '
                 "model outside `with strategy.scope():`."
             )
         with resolved.scope():
@@ -169,7 +169,9 @@ class DistributedModel(keras.Model):
         if _compat.is_active("empty_batch_convolution") and variables.is_multi_replica(strategy):
             empty_batch.install(lambda: _compat.is_active("empty_batch_convolution"))
         if _compat.is_active("empty_replica_batch_norm") and variables.is_multi_replica(strategy):
-            guarded = [runtime_layers.guard_empty_batch_moments(bn) for bn in runtime_layers.batch_normalization_layers(self)]
+            guarded = [
+                runtime_layers.guard_empty_batch_moments(bn) for bn in runtime_layers.batch_normalization_layers(self)
+            ]
             if any(guarded):
                 self.train_function = None
         if _compat.is_active("mirrored_layer_state") and variables.is_multi_replica(strategy):
@@ -188,7 +190,11 @@ class DistributedModel(keras.Model):
         for optimizer in optimizers:
             if _compat.is_active("optimizer_strategy"):
                 moved += variables.rehome_optimizer(optimizer, strategy)
-            if multi_replica and _compat.is_active("optimizer_built_in_step") and variables.build_outside_step(optimizer):
+            if (
+                multi_replica
+                and _compat.is_active("optimizer_built_in_step")
+                and variables.build_outside_step(optimizer)
+            ):
                 self.train_function = None
         if moved:
             for optimizer in optimizers:
@@ -384,7 +390,9 @@ class DistributedModel(keras.Model):
             Collective under several workers: every worker must call it
             (callbacks such as `ModelCheckpoint` do).
         """
-        with collectives_optimizer.accumulation_saved_with_weights(getattr(self, "optimizer", None), self._distribute_strategy):
+        with collectives_optimizer.accumulation_saved_with_weights(
+            getattr(self, "optimizer", None), self._distribute_strategy
+        ):
             if _asks_before_overwriting(filepath, args, kwargs):  # Keras' interactive prompt, on the real path.
                 return super().save(filepath, *args, **kwargs)
             return self._agreement().chief_writes(
@@ -395,7 +403,9 @@ class DistributedModel(keras.Model):
 
     def save_weights(self, filepath, *args, **kwargs):
         """Saves the weights, as `keras.Model.save_weights`, atomically and on the chief only (see `save`)."""
-        with collectives_optimizer.accumulation_saved_with_weights(getattr(self, "optimizer", None), self._distribute_strategy):
+        with collectives_optimizer.accumulation_saved_with_weights(
+            getattr(self, "optimizer", None), self._distribute_strategy
+        ):
             if _asks_before_overwriting(filepath, args, kwargs):
                 return super().save_weights(filepath, *args, **kwargs)
             return self._agreement().chief_writes(
@@ -407,7 +417,9 @@ class DistributedModel(keras.Model):
     def load_weights(self, filepath, *args, **kwargs):
         """Loads weights, as `keras.Model.load_weights`; a partial gradient-accumulation cycle saved with them continues."""
         result = super().load_weights(filepath, *args, **kwargs)
-        collectives_optimizer.accumulation_loaded_with_weights(getattr(self, "optimizer", None), self._distribute_strategy)
+        collectives_optimizer.accumulation_loaded_with_weights(
+            getattr(self, "optimizer", None), self._distribute_strategy
+        )
         return result
 
     def _agreement(self):
@@ -430,9 +442,7 @@ class DistributedModel(keras.Model):
             return super().predict(**self._chief_only_verbosity(arguments))
 
     def _chief_only_verbosity(self, kwargs):
-        if variables.is_multi_worker(self._distribute_strategy) and not _plan.is_chief(
-            self._distribute_strategy
-        ):
+        if variables.is_multi_worker(self._distribute_strategy) and not _plan.is_chief(self._distribute_strategy):
             kwargs = {**kwargs, "verbose": 0}
         return kwargs
 
@@ -448,7 +458,9 @@ class DistributedModel(keras.Model):
             if collectives_all_reduce.GRADIENT_STRUCTURE_MISMATCH in e.message:
                 raise RuntimeError(_peer_errors.gradient_structure_message(info, e.message)) from e
             mismatched = "collective" in e.message.lower() and (
-                isinstance(e, tf.errors.InvalidArgumentError) or "expected type" in e.message or "mismatch" in e.message.lower()
+                isinstance(e, tf.errors.InvalidArgumentError)
+                or "expected type" in e.message
+                or "mismatch" in e.message.lower()
             )
             if not mismatched:
                 raise
@@ -605,15 +617,20 @@ class DistributedModel(keras.Model):
         collective, and Keras computes the results from those sums.
         """
         summed = [
-            v for metric in self.metrics for v in metric.variables
-            if isinstance(v.value, tf.distribute.DistributedValues) and v.value.aggregation == tf.VariableAggregation.SUM
+            v
+            for metric in self.metrics
+            for v in metric.variables
+            if isinstance(v.value, tf.distribute.DistributedValues)
+            and v.value.aggregation == tf.VariableAggregation.SUM
         ]
         if not summed:
             return super().get_metrics_result()
         reduced = strategy.extended.batch_reduce_to(
             tf.distribute.ReduceOp.SUM, [(v.value, v.value) for v in summed], options=self.communication.to_tensorflow()
         )
-        with keras.StatelessScope(state_mapping=[(v, strategy.experimental_local_results(r)[0]) for v, r in zip(summed, reduced)]):
+        with keras.StatelessScope(
+            state_mapping=[(v, strategy.experimental_local_results(r)[0]) for v, r in zip(summed, reduced)]
+        ):
             return super().get_metrics_result()
 
     def _reduce_in_replica_context(self, outputs, step_name):
@@ -705,9 +722,7 @@ class DistributedModel(keras.Model):
         Keras 3 hands the undivided batch to every replica and concatenates the
         results, returning `num_replicas_in_sync` times too many rows.
         """
-        if self._distribute_strategy.num_replicas_in_sync == 1 or not _compat.is_active(
-            "predict_on_batch_split"
-        ):
+        if self._distribute_strategy.num_replicas_in_sync == 1 or not _compat.is_active("predict_on_batch_split"):
             return super().predict_on_batch(x)
         batch_size = int(keras.tree.flatten(x)[0].shape[0])
         return self.predict(x, batch_size=max(batch_size, 1), verbose=0)

@@ -4,8 +4,8 @@ import keras
 
 from keras_dist import collectives
 from keras_dist._model import DistributedModel
-from keras_dist.data._sharding import validate_auto_shard_policy
 from keras_dist._runtime import keras_internals as ki
+from keras_dist.data._sharding import validate_auto_shard_policy
 from keras_dist.strategy import _resolve
 
 _STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
@@ -60,9 +60,7 @@ def distribute(model, *, strategy="auto", communication=None, auto_shard_policy=
             f"Received: model of type {type(model).__name__}. Fix: pass a Keras model, "
             "or build one with `keras_dist.DistributedModel(inputs, outputs)`."
         )
-    overridden = [
-        name for name in _STEP_METHODS if getattr(type(model), name) is not getattr(keras.Model, name)
-    ]
+    overridden = [name for name in _STEP_METHODS if getattr(type(model), name) is not getattr(keras.Model, name)]
     if overridden:
         raise ValueError(
             f"`distribute` cannot carry over overridden {overridden} of "

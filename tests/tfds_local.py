@@ -59,9 +59,7 @@ def _already_registered(name: str) -> bool:
         return False
 
 
-class KerasDistDigits(
-    tfds.core.GeneratorBasedBuilder, skip_registration=_already_registered(DIGITS_NAME)
-):
+class KerasDistDigits(tfds.core.GeneratorBasedBuilder, skip_registration=_already_registered(DIGITS_NAME)):
     """sklearn's 8x8 digits as a TFDS dataset; ``id`` is the sklearn row index."""
 
     # Registered (by class definition) under the name "keras_dist_digits".
@@ -120,11 +118,7 @@ def digits_shard_files(data_dir: str, split: str = "train") -> list[str]:
     """Sorted TFRecord shard paths of one split of the built dataset."""
     builder = tfds.builder(DIGITS_NAME, data_dir=data_dir)
     prefix = f"{DIGITS_NAME}-{split}.tfrecord-"
-    return sorted(
-        os.path.join(builder.data_dir, f)
-        for f in os.listdir(builder.data_dir)
-        if f.startswith(prefix)
-    )
+    return sorted(os.path.join(builder.data_dir, f) for f in os.listdir(builder.data_dir) if f.startswith(prefix))
 
 
 def build_digits_tfds(data_dir: str, num_shards: int = 4) -> str:
@@ -165,7 +159,5 @@ def mock_mnist(num_examples: int = 8):
     and no data_dir are needed (AUTO would look for metadata under data_dir first,
     then fall back to USE_CODE).
     """
-    with tfds.testing.mock_data(
-        num_examples=num_examples, policy=tfds.testing.MockPolicy.USE_CODE
-    ):
+    with tfds.testing.mock_data(num_examples=num_examples, policy=tfds.testing.MockPolicy.USE_CODE):
         yield

@@ -27,7 +27,9 @@ import sys
 
 SMOKE = bool(os.environ.get("KERAS_DIST_SMOKE"))
 if not SMOKE:  # Colab: install keras-dist from the repository.
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True
+    )
 
 # %%
 import keras_dist
@@ -39,6 +41,7 @@ import contextlib
 import keras
 import tensorflow as tf
 import tensorflow_datasets as tfds
+
 from keras_dist.callbacks import ThroughputMonitor
 
 keras.mixed_precision.set_global_policy("mixed_float16")
@@ -69,6 +72,7 @@ test = test.map(prepare).batch(GLOBAL_BATCH_SIZE).prefetch(tf.data.AUTOTUNE)
 #
 # The last layer computes in float32 (`dtype="float32"`), as Keras' mixed-precision guide advises
 # for the logits.
+
 
 # %%
 def residual_block(x, filters, stride):

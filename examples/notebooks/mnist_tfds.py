@@ -25,7 +25,9 @@ import sys
 
 SMOKE = bool(os.environ.get("KERAS_DIST_SMOKE"))
 if not SMOKE:  # Colab: install keras-dist from the repository.
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True
+    )
 
 # %%
 import keras_dist

@@ -24,7 +24,9 @@ import sys
 
 SMOKE = bool(os.environ.get("KERAS_DIST_SMOKE"))
 if not SMOKE:  # Colab: install keras-dist from the repository.
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True
+    )
 
 # %% [markdown]
 # ## The training script each worker runs
@@ -32,7 +34,7 @@ if not SMOKE:  # Colab: install keras-dist from the repository.
 # Ordinary Keras, with `DistributedModel`; the history goes to `history-<worker>.json`.
 
 # %%
-SCRIPT = '''
+SCRIPT = """
 import json, sys
 import keras_dist  # joins the cluster described by TF_CONFIG
 import keras, numpy as np
@@ -50,7 +52,7 @@ epochs = int(sys.argv[1])
 history = model.fit(x, y, batch_size=64, epochs=epochs, shuffle=False, verbose=0)
 with open(f"history-{keras_dist.task_id()}.json", "w") as f:
     json.dump(history.history["loss"], f)
-'''
+"""
 with open("two_workers.py", "w") as f:
     f.write(SCRIPT)
 
@@ -63,7 +65,9 @@ with open("two_workers.py", "w") as f:
 epochs = "2" if SMOKE else "15"
 result = subprocess.run(
     [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", "two_workers.py", epochs],
-    capture_output=True, text=True, timeout=600,
+    capture_output=True,
+    text=True,
+    timeout=600,
 )
 print(result.stdout[-3000:], result.stderr[-2000:])
 assert result.returncode == 0

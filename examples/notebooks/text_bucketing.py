@@ -39,7 +39,9 @@ import sys
 
 SMOKE = bool(os.environ.get("KERAS_DIST_SMOKE"))
 if not SMOKE:  # Colab: install keras-dist from the repository.
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True
+    )
 
 # %%
 import keras_dist
@@ -53,6 +55,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
+
 from keras_dist.callbacks import RetracingMonitor, ThroughputMonitor
 from keras_dist.data import bucket_by_length
 
@@ -63,6 +66,7 @@ from keras_dist.data import bucket_by_length
 # characters long, so we give it synthetic reviews (words `w0` ... `w199`, lengths drawn like IMDB's:
 # median about 170 words, a long tail), with a label the words predict.
 
+
 # %%
 def synthetic_reviews(builder, *args, **kwargs):
     rng = np.random.default_rng(0)
@@ -71,7 +75,9 @@ def synthetic_reviews(builder, *args, **kwargs):
         for _ in range(1024):
             label = int(rng.integers(2))
             length = int(np.clip(rng.lognormal(5.15, 0.65), 10, 2500))
-            words = rng.integers(0, 100, length) * 2 + (rng.random(length) < 0.4 + 0.2 * label)  # More odd words: positive.
+            words = rng.integers(0, 100, length) * 2 + (
+                rng.random(length) < 0.4 + 0.2 * label
+            )  # More odd words: positive.
             yield {"text": " ".join(f"w{w}" for w in words), "label": label}
 
     signature = {"text": tf.TensorSpec([], tf.string), "label": tf.TensorSpec([], tf.int64)}
@@ -99,8 +105,10 @@ def to_token_ids(text, label):
 train_ids = train.map(to_token_ids, num_parallel_calls=tf.data.AUTOTUNE).cache()
 test_ids = test.map(to_token_ids, num_parallel_calls=tf.data.AUTOTUNE).cache()
 lengths = np.array([len(ids) for ids, _ in train_ids.as_numpy_iterator()])
-print(f"{len(lengths)} reviews, tokens per review: min {lengths.min()}, median {np.median(lengths):.0f}, "
-      f"max {lengths.max()}")
+print(
+    f"{len(lengths)} reviews, tokens per review: min {lengths.min()}, median {np.median(lengths):.0f}, "
+    f"max {lengths.max()}"
+)
 
 # %% [markdown]
 # ## Two pipelines over the same examples
@@ -141,6 +149,7 @@ for name, s in stats.items():
 # `Embedding(mask_zero=True)` makes a mask from the padding (id 0); `GlobalAveragePooling1D` averages
 # over the real tokens only, so the padding changes the work, not the result.
 
+
 # %%
 def build_model():
     keras.utils.set_random_seed(0)  # The same initial weights for both pipelines.
@@ -171,6 +180,7 @@ class EpochTimer(keras.callbacks.Callback):
         logs["epoch_seconds"] = time.perf_counter() - self.start
         logs["steps"] = self.steps
 
+
 # %% [markdown]
 # ## Train on each pipeline, counting traces
 #
@@ -187,8 +197,10 @@ for name, batches in pipelines.items():
     callbacks = [monitor, ThroughputMonitor(), EpochTimer()]  # ThroughputMonitor: step-time percentiles.
     history = models[name].fit(batches, epochs=EPOCHS, callbacks=callbacks, verbose=0)
     histories[name] = history.history
-    print(f"{name:>8}: traces per epoch {history.history['train_traces']}, train_function traced "
-          f"{monitor.traces['train_function']} times in all; accuracy {history.history['accuracy'][-1]:.3f}")
+    print(
+        f"{name:>8}: traces per epoch {history.history['train_traces']}, train_function traced "
+        f"{monitor.traces['train_function']} times in all; accuracy {history.history['accuracy'][-1]:.3f}"
+    )
 
 # %% [markdown]
 # ## Padding, traces and time, side by side
@@ -201,11 +213,15 @@ seconds = {}
 for name in pipelines:
     h = histories[name]
     seconds[name] = min(h["epoch_seconds"][1:])
-    print(f"{name:>8}: padding {stats[name]['padding']:.1%}, traces {sum(h['train_traces'])}, "
-          f"epoch {seconds[name]:.2f} s for {h['steps'][-1]} steps, "
-          f"median step {1000 * min(h['step_seconds_p50'][1:]):.1f} ms")
-print(f"bucketed / naive: {stats['bucketed']['cells'] / stats['naive']['cells']:.2f}x the batched tokens, "
-      f"{seconds['bucketed'] / seconds['naive']:.2f}x the time per epoch")
+    print(
+        f"{name:>8}: padding {stats[name]['padding']:.1%}, traces {sum(h['train_traces'])}, "
+        f"epoch {seconds[name]:.2f} s for {h['steps'][-1]} steps, "
+        f"median step {1000 * min(h['step_seconds_p50'][1:]):.1f} ms"
+    )
+print(
+    f"bucketed / naive: {stats['bucketed']['cells'] / stats['naive']['cells']:.2f}x the batched tokens, "
+    f"{seconds['bucketed'] / seconds['naive']:.2f}x the time per epoch"
+)
 
 # %% [markdown]
 # **What the trace counts say.** Both pipelines trace the train function the same number of times:
@@ -221,13 +237,15 @@ print(f"bucketed / naive: {stats['bucketed']['cells'] / stats['naive']['cells']:
 # %%
 for name, batches in pipelines.items():
     model = models[name]
-    forward = tf.function(lambda ids: model(ids, training=False))  # Default tracing: no relaxed shapes.
+    forward = tf.function(lambda ids, model=model: model(ids, training=False))  # Default tracing: no relaxed shapes.
     shapes = set()
     for ids, _ in batches:  # One epoch (reshuffled: its shapes differ a little from the count above).
         forward(ids)
         shapes.add(tuple(ids.shape))
-    print(f"{name:>8}: {len(shapes)} distinct batch shapes, a plain tf.function traced "
-          f"{forward.experimental_get_tracing_count()} times")
+    print(
+        f"{name:>8}: {len(shapes)} distinct batch shapes, a plain tf.function traced "
+        f"{forward.experimental_get_tracing_count()} times"
+    )
 
 # %% [markdown]
 # ## Evaluate, bucketed

@@ -27,7 +27,9 @@ import sys
 
 SMOKE = bool(os.environ.get("KERAS_DIST_SMOKE"))
 if not SMOKE:  # Colab: install keras-dist from the repository.
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True
+    )
 
 # %%
 import keras_dist
@@ -35,7 +37,6 @@ import keras_dist
 keras_dist.simulate_cpu_replicas(2)  # Only acts where there is neither TPU nor GPU.
 
 import keras
-import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
 

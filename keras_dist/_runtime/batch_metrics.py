@@ -55,7 +55,11 @@ def _update_state(self, y_true, y_pred, sample_weight=None):
     def gather(value):
         return None if value is None else context.all_gather(tf.convert_to_tensor(value), axis=0)
 
-    y_true, y_pred, sample_weight = tree.map_structure(gather, y_true), tree.map_structure(gather, y_pred), gather(sample_weight)
+    y_true, y_pred, sample_weight = (
+        tree.map_structure(gather, y_true),
+        tree.map_structure(gather, y_pred),
+        gather(sample_weight),
+    )
     if mask is not None:
         mask = gather(mask)
     values = self._fn(y_true, y_pred, **self._fn_kwargs)

@@ -72,9 +72,27 @@ def filenames_dataset(dataset):
 # each applies per element or per batch, never to a position in the whole stream.
 # `repeat()` is not one: each worker would cycle through its own files, so a worker with
 # fewer examples repeats them more often within an epoch of `steps_per_epoch` steps.
-_PER_ELEMENT = ("Map", "Filter", "Batch", "Prefetch", "Options", "Shuffle", "Cache", "Unbatch", "Restructured",
-                "Ragged", "AssertCardinality", "Ignore", "MaxIntraOpParallelism", "PrivateThreadPool", "Apply",
-                "Interleave", "FlatMap", "ParallelInterleave", "Parse")
+_PER_ELEMENT = (
+    "Map",
+    "Filter",
+    "Batch",
+    "Prefetch",
+    "Options",
+    "Shuffle",
+    "Cache",
+    "Unbatch",
+    "Restructured",
+    "Ragged",
+    "AssertCardinality",
+    "Ignore",
+    "MaxIntraOpParallelism",
+    "PrivateThreadPool",
+    "Apply",
+    "Interleave",
+    "FlatMap",
+    "ParallelInterleave",
+    "Parse",
+)
 
 
 def position_dependent_step(dataset):
@@ -102,7 +120,9 @@ def position_dependent_step(dataset):
 
 def _reads_files_here(node):
     map_func = getattr(node, "_map_func", None)
-    return map_func is not None and getattr(node, "_input_dataset", None) is not None and _function_reads_files(map_func)
+    return (
+        map_func is not None and getattr(node, "_input_dataset", None) is not None and _function_reads_files(map_func)
+    )
 
 
 def has_cache_after_files(dataset):
@@ -188,8 +208,22 @@ def batch_size_of(dataset):
 
 
 # Transformations that keep each element (a batch) a batch of the same size.
-_BATCH_PRESERVING = ("Map", "Prefetch", "Options", "Repeat", "Take", "Skip", "Cache", "Shuffle", "Filter",
-                     "AssertCardinality", "Ignore", "Apply", "MaxIntraOpParallelism", "PrivateThreadPool")
+_BATCH_PRESERVING = (
+    "Map",
+    "Prefetch",
+    "Options",
+    "Repeat",
+    "Take",
+    "Skip",
+    "Cache",
+    "Shuffle",
+    "Filter",
+    "AssertCardinality",
+    "Ignore",
+    "Apply",
+    "MaxIntraOpParallelism",
+    "PrivateThreadPool",
+)
 
 
 def _batch_op_size(dataset):

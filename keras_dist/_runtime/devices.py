@@ -66,18 +66,13 @@ def simulate_cpu_replicas(num_replicas):
 def _split_cpu(num_replicas):
     """Configures `num_replicas` logical CPU devices without initializing TensorFlow's context."""
     if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
-        raise ValueError(
-            "`num_replicas` must be a positive integer. "
-            f"Received: num_replicas={num_replicas!r}."
-        )
+        raise ValueError(f"`num_replicas` must be a positive integer. Received: num_replicas={num_replicas!r}.")
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     if current is not None and len(current) == num_replicas:
         return
     try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * num_replicas
-        )
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * num_replicas)
     except RuntimeError as e:
         have = num_logical_cpus()  # this worker's devices, not the whole cluster's
         if have == num_replicas:

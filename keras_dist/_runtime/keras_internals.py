@@ -10,10 +10,10 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
-from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.models.model import functional_init_arguments
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
-from keras.src.trainers.trainer import model_supports_jit
+from keras.src.trainers.trainer import model_supports_jit as model_supports_jit  # Re-exported.
 from keras.src.utils.rng_utils import get_random_seed
 
 __all__ = [
@@ -132,7 +132,10 @@ def overwrites_with_moving_average(optimizer):
     `use_ema=True` and `ema_overwrite_frequency` is set; the TensorFlow
     overwrite calls `extended.update`, a `merge_call` in replica context.
     """
-    return any(getattr(opt, "use_ema", False) and getattr(opt, "ema_overwrite_frequency", None) for opt in optimizers_within(optimizer))
+    return any(
+        getattr(opt, "use_ema", False) and getattr(opt, "ema_overwrite_frequency", None)
+        for opt in optimizers_within(optimizer)
+    )
 
 
 @contextlib.contextmanager

@@ -146,7 +146,12 @@ def _mean_update_state(self, values, sample_weight=None):
     """
     original = _ORIGINAL["mean_update_state"]
     step = step_state.current()
-    if step is None or not step.user_step or sample_weight is not None or type(self).update_state is not _mean_update_state:
+    if (
+        step is None
+        or not step.user_step
+        or sample_weight is not None
+        or type(self).update_state is not _mean_update_state
+    ):
         return original(self, values, sample_weight)
     values = tf.convert_to_tensor(values)
     num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
@@ -175,7 +180,9 @@ def _note_tracker(record):
     )
 
 
-def _recording_reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
+def _recording_reduce_weighted_values(
+    values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None
+):
     result = _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
     record = _RECORDS.get(step_state.replica_key()) if step_state.current() is not None else None
     if record is None:
@@ -287,7 +294,9 @@ def global_surrogate(record, total, example_share, shares):
     weights = record.tape.gradient(total, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     for (i, term), weight in zip(adjust, weights):
         delta = tf.cast(shares[i] - example_share, total.dtype)
-        surrogate += delta * tf.reduce_sum(tf.stop_gradient(tf.cast(weight, total.dtype)) * tf.cast(term.value, total.dtype))
+        surrogate += delta * tf.reduce_sum(
+            tf.stop_gradient(tf.cast(weight, total.dtype)) * tf.cast(term.value, total.dtype)
+        )
     return surrogate
 
 

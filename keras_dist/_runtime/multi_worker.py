@@ -16,13 +16,12 @@ import socket
 import threading
 
 import tensorflow as tf
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 
 from keras_dist._runtime import keras_internals
-
-from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 
 
 class _CollectiveAllReduceExtended(_mwms.CollectiveAllReduceExtended):
@@ -30,16 +29,12 @@ class _CollectiveAllReduceExtended(_mwms.CollectiveAllReduceExtended):
 
     def __init__(self, container, *, cluster_resolver, communication_options, num_cpu_replicas):
         self._keras_dist_num_cpu_replicas = num_cpu_replicas
-        super().__init__(
-            container, cluster_resolver=cluster_resolver, communication_options=communication_options
-        )
+        super().__init__(container, cluster_resolver=cluster_resolver, communication_options=communication_options)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         devices, device_type = super()._initialize_local_devices(cluster_resolver, worker_device)
         if device_type == "CPU" and self._keras_dist_num_cpu_replicas > 1:
-            devices = tuple(
-                f"{worker_device}/device:CPU:{i}" for i in range(self._keras_dist_num_cpu_replicas)
-            )
+            devices = tuple(f"{worker_device}/device:CPU:{i}" for i in range(self._keras_dist_num_cpu_replicas))
         return devices, device_type
 
 
@@ -105,9 +100,7 @@ def create_strategy(
         )
         # Without the barrier, the register timeout is not enforced: task 0 waits forever.
         context.context().coordination_service.cluster_register_with_barrier = True
-    options = tf.distribute.experimental.CommunicationOptions(
-        timeout_seconds=collective_timeout_seconds or None
-    )
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=collective_timeout_seconds or None)
     return MultiWorkerMirroredStrategy(cluster_resolver, options, num_cpu_replicas=num_cpu_replicas)
 
 

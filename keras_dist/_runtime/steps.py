@@ -11,12 +11,10 @@ import warnings
 import keras
 import tensorflow as tf
 from keras import tree
-
 from tensorflow.python.distribute.values import PerReplicaSpec
 
-from keras_dist._runtime import build_context
+from keras_dist._runtime import build_context, loss_terms, step_state, variables
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import loss_terms, step_state, variables
 
 
 def train_step(model, data, *, options, forward_backward=None, ride_along=False, summed_metrics=None):
@@ -72,7 +70,9 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
                 share = tf.constant(1.0)
                 step.weighting = step_state.EXAMPLES_IN_ALL_REDUCE
             else:
-                step.global_examples = _sum_over_replicas(tf.reshape(tf.cast(num_examples, tf.float32), [1]), options)[0]
+                step.global_examples = _sum_over_replicas(tf.reshape(tf.cast(num_examples, tf.float32), [1]), options)[
+                    0
+                ]
                 share = step.example_share()
             y_pred, loss, gradients = forward_backward(x, y, sample_weight, share)
             loss = _zero_when_empty(loss, num_examples)
@@ -80,7 +80,7 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
         else:
             y_pred, loss, gradients = _exact_forward_backward(model, x, y, sample_weight, step, ride_along, options)
         if gradients is None:
-            warnings.warn("The model does not have any trainable weights.")
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         state = summed_metrics.variables() if summed_metrics is not None else None
         if state is None:
@@ -266,7 +266,7 @@ def _forward_backward(model, x, y, sample_weight, loss_weight, *, scope=None, co
     `ValueError` if `call` starts a collective.
     """
     with tf.GradientTape() as tape:
-        with (scope or contextlib.nullcontext)(), _observing_collectives(collective_refusal) as collectives:
+        with (scope or contextlib.nullcontext)(), _observing_collectives(collective_refusal):
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
         weighted = loss * tf.cast(loss_weight, loss.dtype)

@@ -16,9 +16,7 @@ def all_reduce_implementation(strategy):
         return f"collective:{options.implementation.name}"
     if strategy.num_replicas_in_sync == 1:
         return "none"
-    ops = getattr(extended, "_cross_device_ops", None) or getattr(
-        extended, "_inferred_cross_device_ops", None
-    )
+    ops = getattr(extended, "_cross_device_ops", None) or getattr(extended, "_inferred_cross_device_ops", None)
     return type(ops).__name__ if ops is not None else "default"
 
 

@@ -21,7 +21,6 @@ from keras_dist import errors
 from keras_dist.cli._threads import INTER_OP_THREADS_ENV, INTRA_OP_THREADS_ENV  # The launcher's names (no TF there).
 
 
-
 def requested_threads(environ=None):
     """Returns the thread pool sizes asked for in the environment.
 

@@ -28,9 +28,7 @@ def is_multi_replica(strategy):
 
 def is_multi_worker(strategy):
     """Returns whether `strategy` is a `MultiWorkerMirroredStrategy` spanning more than one worker."""
-    return isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and strategy.extended._in_multi_worker_mode()
 
 
 def _mirroring_extendeds():
@@ -61,8 +59,7 @@ def _needs_rehome(variable, strategy):
     if not _belongs_to(value, strategy):
         return True
     return (
-        isinstance(value, tf.distribute.DistributedValues)
-        and value.aggregation != _AGGREGATIONS[variable.aggregation]
+        isinstance(value, tf.distribute.DistributedValues) and value.aggregation != _AGGREGATIONS[variable.aggregation]
     )
 
 

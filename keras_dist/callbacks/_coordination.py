@@ -9,7 +9,6 @@ import tensorflow as tf
 from keras_dist._runtime import variables
 from keras_dist.strategy import _plan
 
-
 WRITE_TIMEOUT_ENV = "KERAS_DIST_WRITE_TIMEOUT"
 DEFAULT_WRITE_TIMEOUT_SECONDS = 120.0
 
@@ -141,11 +140,7 @@ def writes_one_file(filepath, extensions):
     """True when `filepath` names one file (one of `extensions`, in an existing directory, not a directory)."""
     filepath = os.fspath(filepath)
     directory = os.path.dirname(filepath) or "."
-    return (
-        filepath.endswith(tuple(extensions))
-        and tf.io.gfile.isdir(directory)
-        and not tf.io.gfile.isdir(filepath)
-    )
+    return filepath.endswith(tuple(extensions)) and tf.io.gfile.isdir(directory) and not tf.io.gfile.isdir(filepath)
 
 
 @contextlib.contextmanager

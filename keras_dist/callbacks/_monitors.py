@@ -174,9 +174,7 @@ class RetracingMonitor(keras.callbacks.Callback):
     def __init__(self, max_traces_per_epoch=1):
         super().__init__()
         if not isinstance(max_traces_per_epoch, int) or max_traces_per_epoch < 0:
-            raise ValueError(
-                f"`max_traces_per_epoch` must be an integer >= 0. Received: {max_traces_per_epoch!r}."
-            )
+            raise ValueError(f"`max_traces_per_epoch` must be an integer >= 0. Received: {max_traces_per_epoch!r}.")
         self.max_traces_per_epoch = max_traces_per_epoch
         self.traces = {}
         self._at_epoch_begin = {}

@@ -18,9 +18,9 @@ import keras
 import tensorflow as tf
 
 from keras_dist import errors
+from keras_dist._process import RESTART_EXIT_STATUS as RESTART_EXIT_STATUS  # noqa: E402 (75, EX_TEMPFAIL; re-exported)
 from keras_dist.strategy import _plan
 
-from keras_dist._process import RESTART_EXIT_STATUS  # noqa: E402 (75, EX_TEMPFAIL)
 STEPS_KEY = "keras_dist_steps_done_in_epoch"
 _RAN_OUT_OF_DATA = "Your input ran out of data"
 

@@ -46,7 +46,9 @@ class LearningRateWarmup(keras.callbacks.Callback):
         `DistributedModel.fit`), else from `batch_size` in `fit`'s params.
     """
 
-    def __init__(self, warmup_epochs=None, warmup_steps=None, *, base_batch_size=None, target_learning_rate=None, verbose=0):
+    def __init__(
+        self, warmup_epochs=None, warmup_steps=None, *, base_batch_size=None, target_learning_rate=None, verbose=0
+    ):
         super().__init__()
         if (warmup_epochs is None) == (warmup_steps is None):
             raise ValueError(
@@ -56,9 +58,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
             )
         length = warmup_epochs if warmup_epochs is not None else warmup_steps
         if not isinstance(length, (int, float)) or isinstance(length, bool) or not length > 0:
-            raise ValueError(
-                f"The warm-up length must be a number > 0. Received: {length!r}. Fix: pass e.g. 5."
-            )
+            raise ValueError(f"The warm-up length must be a number > 0. Received: {length!r}. Fix: pass e.g. 5.")
         if base_batch_size is not None and (not isinstance(base_batch_size, int) or base_batch_size < 1):
             raise ValueError(
                 f"`base_batch_size` must be an integer number of examples >= 1. Received: {base_batch_size!r}."

@@ -104,8 +104,12 @@ class WorkerGroup:
 
     def _start(self, task_id, command, env):
         proc = subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self._processes[task_id] = proc
         reader = threading.Thread(
@@ -122,7 +126,9 @@ class WorkerGroup:
                 self._say(f"received {received.name}; forwarding it to the workers.")
                 self._stop_all(received)
                 if any(proc.returncode == RESTART_EXIT_STATUS for proc in self._processes.values()):
-                    self._say(f"the workers saved their state; exiting with status {RESTART_EXIT_STATUS} (restart to resume).")
+                    self._say(
+                        f"the workers saved their state; exiting with status {RESTART_EXIT_STATUS} (restart to resume)."
+                    )
                     return RESTART_EXIT_STATUS
                 return 128 + received
             returncodes = {task_id: proc.poll() for task_id, proc in self._processes.items()}

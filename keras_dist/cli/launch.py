@@ -28,8 +28,13 @@ import socket
 import sys
 
 from keras_dist._process import RESTART_COUNT_ENV
-from keras_dist.cli._threads import INTER_OP_THREADS_ENV, INTRA_OP_THREADS_ENV, check_threads, threads_for_launch
-from keras_dist.cli._threads import threads_per_worker
+from keras_dist.cli._threads import (
+    INTER_OP_THREADS_ENV,
+    INTRA_OP_THREADS_ENV,
+    check_threads,
+    threads_for_launch,
+    threads_per_worker,
+)
 from keras_dist.cli._worker_group import WorkerGroup, exit_status_message, launcher_exit_status
 
 LOOPBACK = "127.0.0.1"
@@ -290,16 +295,30 @@ def launch_command_parser(subparsers):
     add("--workers", metavar="HOST:PORT,...", help="every worker's address, in task order (a real cluster)")
     add("--task-index", type=int, metavar="I", help="with --workers: the one worker this machine runs")
     add("--cpu-replicas", type=int, metavar="R", help="split each worker's CPU into R replicas")
-    add("--threads-per-worker", type=int, metavar="N",
+    add(
+        "--threads-per-worker",
+        type=int,
+        metavar="N",
         help="TensorFlow intra-op and inter-op threads per worker; 0 = TensorFlow's default "
-        "(default: the host's cores shared out among the local workers)")
+        "(default: the host's cores shared out among the local workers)",
+    )
     add("--startup-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_STARTUP_TIMEOUT")
     add("--heartbeat-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_HEARTBEAT_TIMEOUT")
     add("--collective-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_COLLECTIVE_TIMEOUT")
-    add("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD, metavar="SECONDS",
-        help=f"wait after SIGTERM/SIGINT before SIGKILL (default {DEFAULT_GRACE_PERIOD:g})")
-    add("--max-restarts", type=int, default=0, metavar="N",
-        help="restart all workers up to N times after a failure (default 0); the script resumes with BackupAndRestore")
+    add(
+        "--grace-period",
+        type=float,
+        default=DEFAULT_GRACE_PERIOD,
+        metavar="SECONDS",
+        help=f"wait after SIGTERM/SIGINT before SIGKILL (default {DEFAULT_GRACE_PERIOD:g})",
+    )
+    add(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart all workers up to N times after a failure (default 0); the script resumes with BackupAndRestore",
+    )
     add("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
     add("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     add("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments passed to SCRIPT unchanged")

@@ -2,7 +2,6 @@
 
 import tensorflow as tf
 
-
 GRADIENT_STRUCTURE_MISMATCH = "keras-dist: the workers disagree on which variables receive a gradient"
 
 
@@ -242,7 +241,9 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
 def _scaled(gradient, factor):
     """`gradient` (a tensor or `tf.IndexedSlices`) times the float32 scalar `factor`, in the gradient's dtype."""
     if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * tf.cast(factor, gradient.values.dtype), gradient.indices, gradient.dense_shape)
+        return tf.IndexedSlices(
+            gradient.values * tf.cast(factor, gradient.values.dtype), gradient.indices, gradient.dense_shape
+        )
     return gradient * tf.cast(factor, gradient.dtype)
 
 

@@ -6,9 +6,8 @@ import types
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist._runtime import accumulation
+from keras_dist._runtime import accumulation, step_state
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import step_state
 from keras_dist._runtime import variables as variables_module
 from keras_dist.collectives import _all_reduce
 from keras_dist.collectives._options import CommunicationOptions
@@ -180,11 +179,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     """The `apply` `distributed_optimizer` installs (bound to the optimizer instance)."""
     keras_apply = type(optimizer).apply
     context = tf.distribute.get_replica_context()
-    if (
-        context is None
-        or context.num_replicas_in_sync == 1
-        or not _compat.is_active("sum_gradients_before_apply")
-    ):
+    if context is None or context.num_replicas_in_sync == 1 or not _compat.is_active("sum_gradients_before_apply"):
         return keras_apply(optimizer, grads, trainable_variables)
     options = optimizer.__dict__[_OPTIONS].resolved(context.strategy)
     grads = list(grads)
@@ -198,7 +193,11 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     if step is not None and step.weighting == step_state.EXAMPLES:  # A user's step: its replica's mean loss.
         grads = [_by_share(g, step) for g in grads]
     sums = optimizer.__dict__.get(_SUMS)
-    names = [getattr(v, "path", None) or v.name for v in variables] if variables_module.is_multi_worker(context.strategy) else None
+    names = (
+        [getattr(v, "path", None) or v.name for v in variables]
+        if variables_module.is_multi_worker(context.strategy)
+        else None
+    )
     with ki.gradients_already_reduced(optimizer):
         if accumulating and sums is not None and sums.matches(variables):
             accumulation.accumulate_then_apply(
@@ -210,7 +209,9 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
                 cross_replica_sum=lambda strategy, values: _all_reduce.cross_replica_sum(strategy, values, options),
                 from_wire=_all_reduce.decompress,
                 apply=lambda summed, variables: ki.apply_without_merge_call(optimizer, keras_apply, summed, variables),
-                check=None if names is None else lambda strategy, kinds: _check_in_cross_replica_context(strategy, kinds, options, names),
+                check=None
+                if names is None
+                else lambda strategy, kinds: _check_in_cross_replica_context(strategy, kinds, options, names),
                 check_input=None if names is None else _all_reduce.gradient_kinds(grads),
             )
             return
@@ -242,7 +243,9 @@ def _by_share(gradient, step):
         return None
     share = step.example_share()
     if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * tf.cast(share, gradient.values.dtype), gradient.indices, gradient.dense_shape)
+        return tf.IndexedSlices(
+            gradient.values * tf.cast(share, gradient.values.dtype), gradient.indices, gradient.dense_shape
+        )
     return tf.where(step.num_examples > 0, gradient * tf.cast(share, gradient.dtype), tf.zeros_like(gradient))
 
 

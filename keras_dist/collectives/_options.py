@@ -144,7 +144,9 @@ class CommunicationOptions:
             and self.implementation != "nccl"
             and all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in strategy.extended.worker_devices)
         )
-        return dataclasses.replace(self, bytes_per_pack=AUTO_BYTES_PER_PACK_BETWEEN_CPU_WORKERS if between_cpu_workers else 0)
+        return dataclasses.replace(
+            self, bytes_per_pack=AUTO_BYTES_PER_PACK_BETWEEN_CPU_WORKERS if between_cpu_workers else 0
+        )
 
     def to_tensorflow(self):
         """Returns the `tf.distribute.experimental.CommunicationOptions` of the first three fields (`"auto"` packing: 0)."""

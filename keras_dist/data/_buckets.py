@@ -7,8 +7,16 @@ import numpy as np
 import tensorflow as tf
 
 
-def bucket_by_length(dataset, *, boundaries, global_batch_size, length_fn=None, pad_to_boundary=True,
-                     drop_remainder=False, padding_value=0):
+def bucket_by_length(
+    dataset,
+    *,
+    boundaries,
+    global_batch_size,
+    length_fn=None,
+    pad_to_boundary=True,
+    drop_remainder=False,
+    padding_value=0,
+):
     """Batches variable-length sequences by length, padded to a few bucket lengths.
 
     A thin layer over `tf.data.Dataset.bucket_by_sequence_length`: examples

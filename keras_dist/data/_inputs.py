@@ -127,9 +127,7 @@ def _prepare_one(model, x, batch_size, usage, batch_size_argument):
         plan = _distribute.function_input_plan(strategy, usage)
         model.input_plan = plan
         _distribute.announce(plan, strategy)
-    return prepare(
-        x, strategy=strategy, model=model, batch_size=batch_size, batch_size_argument=batch_size_argument
-    )
+    return prepare(x, strategy=strategy, model=model, batch_size=batch_size, batch_size_argument=batch_size_argument)
 
 
 @contextlib.contextmanager

@@ -45,8 +45,10 @@ class ShardingReport:
 
     def __str__(self):
         expected = "" if self.expected_num_examples is None else f" of {self.expected_num_examples}"
-        verdict = "every example once" if self.every_example_once else (
-            f"NOT every example once: {self.num_duplicated} duplicated, {self.num_missing} missing"
+        verdict = (
+            "every example once"
+            if self.every_example_once
+            else (f"NOT every example once: {self.num_duplicated} duplicated, {self.num_missing} missing")
         )
         return "\n".join(
             [
@@ -120,8 +122,12 @@ def verify_sharding(
         reference_ids = collections.Counter(_ids_of_dataset(make_dataset(), example_id, steps))
         dataset = make_dataset()
         distributed, plan = _distribute.distribute_dataset(
-            strategy, dataset, usage="verify_sharding", source=source,
-            distribute=strategy.experimental_distribute_dataset, auto_shard_policy=auto_shard_policy,
+            strategy,
+            dataset,
+            usage="verify_sharding",
+            source=source,
+            distribute=strategy.experimental_distribute_dataset,
+            auto_shard_policy=auto_shard_policy,
             batch_size=batch_size,
         )
     ids, replicas = _gather_ids(strategy, distributed, example_id, steps)

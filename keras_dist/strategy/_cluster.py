@@ -23,9 +23,7 @@ TRAINING_TASK_TYPES = ("chief", "worker")
 _OTHER_TASK_TYPES = ("evaluator", "ps")
 _TOP_LEVEL_KEYS = ("cluster", "task", "environment", "rpc_layer", "session_master")
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
-_TF_CONFIG_EXAMPLE = (
-    '{"cluster": {"worker": ["host0:port", "host1:port"]}, "task": {"type": "worker", "index": 0}}'
-)
+_TF_CONFIG_EXAMPLE = '{"cluster": {"worker": ["host0:port", "host1:port"]}, "task": {"type": "worker", "index": 0}}'
 SLURM_PORT_BASE_ENV = "KERAS_DIST_SLURM_PORT_BASE"
 
 
@@ -160,13 +158,12 @@ def _validate_cluster(cluster, text):
         if kind not in TRAINING_TASK_TYPES + _OTHER_TASK_TYPES:
             _fail(f"Unknown task type {kind!r} in `cluster`; expected `chief` and/or `worker`.", text)
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-            _fail(f"`cluster.{kind}` must be a list of \"host:port\" strings.", text)
+            _fail(f'`cluster.{kind}` must be a list of "host:port" strings.', text)
         for address in addresses:
             match = _ADDRESS.match(address)
             if not match or not 1 <= int(match.group(2)) <= 65535:
                 _fail(
-                    f"Address {address!r} of `cluster.{kind}` is not \"host:port\" with a port "
-                    "from 1 to 65535.",
+                    f'Address {address!r} of `cluster.{kind}` is not "host:port" with a port from 1 to 65535.',
                     text,
                 )
     if len(cluster.get("chief", [])) > 1:

@@ -11,11 +11,19 @@ from keras_dist import errors
 from keras_dist._runtime import multi_worker
 from keras_dist.strategy._cluster import LOCAL, parse_tf_config  # noqa: F401 (doctests)
 
-
 _TASK_IN_MESSAGE = re.compile(r"/job:(chief|worker)/(?:replica:\d+/)?task:(\d+)")
 
 
-_USEFUL_MARKERS = ("mismatch", "unhealthy", "Socket closed", "Connection refused", "timed out", "Barrier", "aborted", "is down")
+_USEFUL_MARKERS = (
+    "mismatch",
+    "unhealthy",
+    "Socket closed",
+    "Connection refused",
+    "timed out",
+    "Barrier",
+    "aborted",
+    "is down",
+)
 
 
 def _informative_line(error_text):

@@ -106,8 +106,8 @@ def check_supported(strategy):
         "TPUStrategy, OneDeviceStrategy or the default strategy. Received: "
         f"strategy={type(strategy).__name__}. Keras 3 `fit` does not support "
         "parameter-server training (keras-team/keras#18624). Fix: use "
-        "`strategy=\"multi_worker\"` (synchronous data parallelism across workers) "
-        "or `strategy=\"auto\"`."
+        '`strategy="multi_worker"` (synchronous data parallelism across workers) '
+        'or `strategy="auto"`.'
     )
 
 
@@ -220,9 +220,7 @@ def _create_multi_worker(info):
         )
     timeouts = timeouts_from_environment()
     try:
-        strategy = multi_worker.create_strategy(
-            resolver, num_cpu_replicas=devices.num_logical_cpus(), **timeouts
-        )
+        strategy = multi_worker.create_strategy(resolver, num_cpu_replicas=devices.num_logical_cpus(), **timeouts)
         if _compat.is_active("sigterm_default_action"):
             multi_worker.restore_default_sigterm()
         return strategy
@@ -237,9 +235,7 @@ def _create_multi_worker(info):
             "See docs/troubleshooting.md#program-startup."
         ) from None
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
-        raise _peer_errors.worker_unavailable_error(
-            info, e.message, during="startup", timeouts=timeouts
-        ) from None
+        raise _peer_errors.worker_unavailable_error(info, e.message, during="startup", timeouts=timeouts) from None
 
 
 JOIN_AT_IMPORT_ENV = "KERAS_DIST_JOIN_AT_IMPORT"

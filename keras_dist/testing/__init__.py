@@ -29,7 +29,6 @@ def max_weight_difference(model_a, model_b):
     shapes_b = [w.shape for w in weights_b]
     if shapes_a != shapes_b:
         raise ValueError(
-            "Both models must have the same weight shapes, in the same order. "
-            f"Received: {shapes_a} and {shapes_b}."
+            f"Both models must have the same weight shapes, in the same order. Received: {shapes_a} and {shapes_b}."
         )
     return max((float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b) if a.size), default=0.0)

@@ -2,8 +2,8 @@
 
 import os
 
-import numpy as np
 import keras
+import numpy as np
 
 import keras_dist
 

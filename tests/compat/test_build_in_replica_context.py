@@ -24,7 +24,9 @@ class GlobalBatchCenter(keras.layers.Layer):
 def _model(cls, **kwargs):
     inputs = keras.Input((3,))
     hidden = keras.layers.Dense(4, kernel_initializer=keras.initializers.GlorotUniform(seed=1))(inputs)
-    outputs = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(GlobalBatchCenter()(hidden))
+    outputs = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(
+        GlobalBatchCenter()(hidden)
+    )
     model = cls(inputs, outputs, **kwargs)
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     return model

@@ -11,7 +11,6 @@ from keras_dist import _compat
 pytestmark = pytest.mark.compat
 
 
-
 def _no_call_model(strategy):
     class TwoParts(keras_dist.DistributedModel):
         def __init__(self, **kwargs):

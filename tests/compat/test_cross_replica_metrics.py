@@ -3,11 +3,9 @@
 import keras
 import numpy as np
 import pytest
-
-from keras_dist import _compat
-
 from helpers import dense_pair, regression_data
 
+from keras_dist import _compat
 
 pytestmark = pytest.mark.compat
 

@@ -8,7 +8,6 @@ import tensorflow as tf
 import keras_dist
 from keras_dist import _compat
 
-
 pytestmark = pytest.mark.compat
 
 
@@ -61,9 +60,14 @@ def test_evaluate_and_predict_with_each_method(mirrored_1x2_cpu, method, expecte
 def test_keras_dist_steps_keep_their_global_values(mirrored_1x2_cpu, method):
     """The built-in steps' outputs are the global batch's already: no method multiplies them by the replicas."""
     inputs = keras.Input((3,))
-    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs), strategy=mirrored_1x2_cpu)
+    model = keras_dist.DistributedModel(
+        inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs), strategy=mirrored_1x2_cpu
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=["mae"])
     model.distribute_reduction_method = method
     x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
     assert model.fit(x, y, batch_size=8, verbose=0).history["loss"] == [pytest.approx(9.0)]
-    assert model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True) == {"loss": pytest.approx(9.0), "mae": pytest.approx(3.0)}
+    assert model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True) == {
+        "loss": pytest.approx(9.0),
+        "mae": pytest.approx(3.0),
+    }

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.compat
 
 def _train(model_class, num_examples=37, **kwargs):
     inputs = keras.Input((3,))
-    hidden = keras.layers.Dense(4, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(inputs)
+    hidden = keras.layers.Dense(4, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(
+        inputs
+    )
     model = model_class(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(hidden), **kwargs)
     model.compile(optimizer=keras.optimizers.Adam(0.05, use_ema=True, ema_overwrite_frequency=2), loss="mse")
     x = np.random.RandomState(0).rand(num_examples, 3).astype("float32")

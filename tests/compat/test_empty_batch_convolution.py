@@ -38,8 +38,10 @@ def _replica_gradients(model, strategy, trials):
     for _ in range(trials):
         shapes, gradients = step(batches)
         results.append(
-            (strategy.experimental_local_results(shapes)[1].numpy().tolist(),
-             [strategy.experimental_local_results(g)[1].numpy() for g in gradients])
+            (
+                strategy.experimental_local_results(shapes)[1].numpy().tolist(),
+                [strategy.experimental_local_results(g)[1].numpy() for g in gradients],
+            )
         )
     return results
 
@@ -69,6 +71,8 @@ def test_with_fix_a_static_batch_runs_keras_own_op(mirrored_1x2_cpu):
             graph = tf.function(lambda x: model(x)).get_concrete_function(tf.TensorSpec(shape, tf.float32)).graph
         return {op.type for op in graph.get_operations()}
 
-    assert "If" in graph_ops((None, 4, 4, 2), mirrored_1x2_cpu) or "StatelessIf" in graph_ops((None, 4, 4, 2), mirrored_1x2_cpu)
+    assert "If" in graph_ops((None, 4, 4, 2), mirrored_1x2_cpu) or "StatelessIf" in graph_ops(
+        (None, 4, 4, 2), mirrored_1x2_cpu
+    )
     assert not {"If", "StatelessIf"} & graph_ops((2, 4, 4, 2), mirrored_1x2_cpu)
     assert not {"If", "StatelessIf"} & graph_ops((None, 4, 4, 2), tf.distribute.get_strategy())

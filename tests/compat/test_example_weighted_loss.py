@@ -1,12 +1,10 @@
 """shared/cases/21: an unevenly split global batch must give the global mean's gradient."""
 
 import pytest
+from helpers import dense_pair, regression_data
 
 from keras_dist import _compat
 from keras_dist.testing import max_weight_difference
-
-from helpers import dense_pair, regression_data
-
 
 pytestmark = pytest.mark.compat
 

@@ -20,7 +20,9 @@ def _train(strategy, unknown_length):
     if unknown_length:
         dataset = dataset.filter(lambda x, y: True)  # Keras learns the epoch's end only by running out.
     inputs = keras.Input((3,))
-    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=strategy)
+    model = keras_dist.DistributedModel(
+        inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=strategy
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
     model.fit(dataset.batch(8), epochs=2, verbose=0)
     return model

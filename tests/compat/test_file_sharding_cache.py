@@ -6,13 +6,12 @@ worker 0 of 2, with the policy keras-dist chooses.
 """
 
 import pytest
+import sharding_workload
 import tensorflow as tf
 from tensorflow.python.distribute import input_ops
 
 from keras_dist import _compat
 from keras_dist.data import _sharding, with_auto_shard_policy
-
-import sharding_workload
 
 pytestmark = pytest.mark.compat
 

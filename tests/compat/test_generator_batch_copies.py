@@ -1,11 +1,11 @@
 """A generator yielding views of one refilled buffer must still give every example once."""
 
-import keras_dist
 import pytest
-import tensorflow as tf
-from keras_dist import _compat
-
 import sharding_workload
+import tensorflow as tf
+
+import keras_dist
+from keras_dist import _compat
 
 pytestmark = pytest.mark.compat
 

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.compat
 
 def _train(model_class, optimizer, num_examples=32, **kwargs):
     inputs = keras.Input((4,))
-    hidden = keras.layers.Dense(3, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(inputs)
+    hidden = keras.layers.Dense(3, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(
+        inputs
+    )
     model = model_class(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(hidden), **kwargs)
     model.compile(optimizer=optimizer(), loss="mse")
     rs = np.random.RandomState(0)

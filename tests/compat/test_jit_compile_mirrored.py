@@ -8,7 +8,6 @@ import tensorflow as tf
 import keras_dist
 from keras_dist import _compat
 
-
 pytestmark = pytest.mark.compat
 
 
@@ -39,7 +38,7 @@ def test_without_fix_the_first_step_crashes(mirrored_1x2_cpu):
     with _compat.disabled("jit_compile_mirrored"):
         model = _model(mirrored_1x2_cpu)
         model.compile(optimizer="adam", loss="mse", jit_compile=True)
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 (TF raises several types here, by version)
             model.fit(*_data(), batch_size=16, verbose=0)
 
 
@@ -133,7 +132,12 @@ def test_with_fix_layer_state_updates_match_the_uncompiled_step(mirrored_1x2_cpu
         for component in v.value.values[1:]:
             np.testing.assert_array_equal(component.numpy(), v.value.values[0].numpy(), err_msg=v.path)
     if dropout:
-        seed_states = [[v.value.values[i].numpy() for i in range(2)] for m in trained.values() for v in m.variables if "seed_generator_state" in v.path]
+        seed_states = [
+            [v.value.values[i].numpy() for i in range(2)]
+            for m in trained.values()
+            for v in m.variables
+            if "seed_generator_state" in v.path
+        ]
         assert len(seed_states) == 2
         np.testing.assert_array_equal(seed_states[0], seed_states[1])
         return
@@ -156,7 +160,10 @@ def test_with_fix_regularizers_and_several_outputs_match_the_uncompiled_step(mir
         keras.utils.set_random_seed(0)
         model = _regularized_two_outputs(mirrored_1x2_cpu)
         model.compile(optimizer="sgd", loss={"a": "mse", "b": "mae"}, jit_compile=jit_compile)
-        trained[jit_compile] = (model, model.fit(x, {"a": y, "b": y}, batch_size=8, epochs=2, verbose=0, shuffle=False).history)
+        trained[jit_compile] = (
+            model,
+            model.fit(x, {"a": y, "b": y}, batch_size=8, epochs=2, verbose=0, shuffle=False).history,
+        )
     (plain, plain_history), (compiled, compiled_history) = trained[False], trained[True]
     for a, b in zip(compiled.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -172,7 +179,9 @@ def test_with_fix_regularizers_and_several_outputs_match_the_uncompiled_step(mir
 class _GlobalCenter(keras.layers.Layer):
     def call(self, x):
         context = tf.distribute.get_replica_context()
-        return x if context is None else x - context.all_reduce("sum", tf.reduce_mean(x, 0)) / context.num_replicas_in_sync
+        return (
+            x if context is None else x - context.all_reduce("sum", tf.reduce_mean(x, 0)) / context.num_replicas_in_sync
+        )
 
 
 class _ReadsAfterUpdate(keras.layers.Layer):

@@ -1,12 +1,11 @@
 """shared/cases/14: BatchNormalization moving statistics must be identical on every replica."""
 
-import pytest
 import keras
 import numpy as np
+import pytest
 
 import keras_dist
 from keras_dist import _compat
-
 
 pytestmark = pytest.mark.compat
 

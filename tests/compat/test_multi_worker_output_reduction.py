@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import MW_WORKER, multi_worker_env
 
 pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
+
 
 def _launch(tmp_path, disabled_fixes):
     command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", MW_WORKER, str(tmp_path)]

@@ -5,18 +5,24 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import MW_WORKER, multi_worker_env
 
 pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
 
 
-
 def _launch(tmp_path, disabled_fixes):
     env = multi_worker_env(disabled_fixes)
     command = [
-        sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
-        MW_WORKER, str(tmp_path), "--steps-per-execution", "4",
+        sys.executable,
+        "-m",
+        "keras_dist.cli",
+        "launch",
+        "--num-workers",
+        "2",
+        MW_WORKER,
+        str(tmp_path),
+        "--steps-per-execution",
+        "4",
     ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
 

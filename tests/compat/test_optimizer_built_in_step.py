@@ -11,7 +11,6 @@ from keras_dist import _compat
 pytestmark = pytest.mark.compat
 
 
-
 def _model_with_own_optimizer(strategy):
     class OwnOptimizer(keras_dist.DistributedModel):
         def __init__(self, **kwargs):

@@ -7,7 +7,6 @@ import pytest
 import keras_dist
 from keras_dist import _compat
 
-
 pytestmark = pytest.mark.compat
 
 

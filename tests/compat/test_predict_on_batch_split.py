@@ -12,7 +12,9 @@ pytestmark = pytest.mark.compat
 
 def _predict_on_batch(strategy, num_rows):
     inputs = keras.Input((3,))
-    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs), strategy=strategy)
+    model = keras_dist.DistributedModel(
+        inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs), strategy=strategy
+    )
     x = np.arange(num_rows * 3, dtype="float32").reshape(num_rows, 3)
     return x, model.predict_on_batch(x)
 

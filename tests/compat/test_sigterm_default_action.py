@@ -6,7 +6,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import MW_WORKER, multi_worker_env
 
 pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
@@ -18,9 +17,20 @@ def _launcher_output_after_sigterm(tmp_path, disabled_fixes):
     """Starts 2 training workers, sends SIGTERM to the launcher, returns its output."""
     env = multi_worker_env(disabled_fixes)
     command = [
-        sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
-        "--grace-period", str(GRACE_PERIOD), MW_WORKER, str(tmp_path),
-        "--die-at-batch", "-1", "--die-task-id", "0",  # trains for 1000 epochs, never dies
+        sys.executable,
+        "-m",
+        "keras_dist.cli",
+        "launch",
+        "--num-workers",
+        "2",
+        "--grace-period",
+        str(GRACE_PERIOD),
+        MW_WORKER,
+        str(tmp_path),
+        "--die-at-batch",
+        "-1",
+        "--die-task-id",
+        "0",  # trains for 1000 epochs, never dies
     ]
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -53,16 +53,22 @@ def _overflow_on_second_replica(model):
     x = np.ones((8, 3), "float32")
     x[4:] = 300.0
     model.fit(x, np.zeros((8, 1), "float32"), batch_size=8, epochs=1, shuffle=False, verbose=0)
-    return [bool(np.isfinite(w.numpy()).all()) for w in model.trainable_weights], float(np.asarray(model.optimizer.dynamic_scale))
+    return [bool(np.isfinite(w.numpy()).all()) for w in model.trainable_weights], float(
+        np.asarray(model.optimizer.dynamic_scale)
+    )
 
 
 def test_without_fix_an_overflow_on_one_replica_reaches_the_weights(mirrored_1x2_cpu):
     with _compat.disabled("sum_gradients_before_apply"):
-        finite, scale = _overflow_on_second_replica(_mixed_precision_model(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu))
+        finite, scale = _overflow_on_second_replica(
+            _mixed_precision_model(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
+        )
     assert not all(finite) and scale == 64.0
 
 
 def test_with_fix_an_overflow_on_one_replica_skips_the_step_everywhere(mirrored_1x2_cpu):
     one_device = _overflow_on_second_replica(_mixed_precision_model(keras.Model))
-    distributed = _overflow_on_second_replica(_mixed_precision_model(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu))
+    distributed = _overflow_on_second_replica(
+        _mixed_precision_model(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
+    )
     assert distributed == one_device == ([True] * 4, 32.0)

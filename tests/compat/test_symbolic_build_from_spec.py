@@ -2,11 +2,9 @@
 
 import numpy as np
 import pytest
-
-from keras_dist import _compat
-
 from helpers import dense_pair, regression_data
 
+from keras_dist import _compat
 
 pytestmark = pytest.mark.compat
 

@@ -16,14 +16,15 @@ os.environ.setdefault("KERAS_DIST_QUIET", "1")
 os.environ.pop("TF_CONFIG", None)
 os.environ["KERAS_DIST_CPU_REPLICAS"] = "2"
 
-import keras_dist  # noqa: E402  (splits the CPU before TensorFlow starts)
 
 from corpus import harness  # noqa: E402
 from corpus.programs import NAMES  # noqa: E402
 
 
 def main(names):
-    print(f"{'program':32} {'result':6} {'weights':>9} {'history':>9} {'evaluate':>9} {'predict':>9} {'1dev s':>7} {'2rep s':>7} {'cpu s':>6}")
+    print(
+        f"{'program':32} {'result':6} {'weights':>9} {'history':>9} {'evaluate':>9} {'predict':>9} {'1dev s':>7} {'2rep s':>7} {'cpu s':>6}"
+    )
     for name in names or NAMES:
         program = harness.load(name)
         row = {"result": "FAIL"}

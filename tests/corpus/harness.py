@@ -89,7 +89,7 @@ def to_numpy(value):
         return {str(k): to_numpy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_numpy(v) for v in value]
-    if hasattr(value, "history") and isinstance(getattr(value, "history"), dict):  # a keras History
+    if hasattr(value, "history") and isinstance(value.history, dict):  # a keras History
         return to_numpy(value.history)
     return np.array(value)
 
@@ -139,9 +139,7 @@ def compare(reference, got, tol=TOL):
             continue
         ref_flat, got_flat = flatten(reference[group], group), flatten(got[group], group)
         if sorted(ref_flat) != sorted(got_flat):
-            report["mismatched"].append(
-                f"{group}: keys {sorted(set(ref_flat) ^ set(got_flat))} in only one run"
-            )
+            report["mismatched"].append(f"{group}: keys {sorted(set(ref_flat) ^ set(got_flat))} in only one run")
         worst = {"abs": 0.0, "rel": 0.0, "excess": -np.inf, "where": "", "over": {}}
         for key in sorted(set(ref_flat) & set(got_flat)):
             a, b = got_flat[key], ref_flat[key]
@@ -174,20 +172,25 @@ def compare(reference, got, tol=TOL):
 
 
 def passed(report):
-    return not report["mismatched"] and all(
-        v["excess"] <= 0 for k, v in report.items() if k != "mismatched"
-    )
+    return not report["mismatched"] and all(v["excess"] <= 0 for k, v in report.items() if k != "mismatched")
 
 
 def describe(report, weight_paths=None):
     """One line per group: `weights: abs 1.2e-07 (at weights.3)`; `weight_paths` names weights.N."""
     lines = list(report["mismatched"])
-    name = lambda key: f"{key} ({weight_paths[int(key.split('.')[1])]})" if weight_paths and key.startswith("weights.") else key  # noqa: E731
+
+    def name(key):
+        return f"{key} ({weight_paths[int(key.split('.')[1])]})" if weight_paths and key.startswith("weights.") else key
+
     for group, worst in report.items():
         if group != "mismatched":
             flag = "" if worst["excess"] <= 0 else "  <-- over tolerance"
-            values = f": {worst['values'][0]:.6g} vs {worst['values'][1]:.6g} on one device" if worst.get("values") else ""
-            lines.append(f"{group}: max abs {worst['abs']:.3g}, rel {worst['rel']:.3g} (at {name(worst['where'])}{values}){flag}")
+            values = (
+                f": {worst['values'][0]:.6g} vs {worst['values'][1]:.6g} on one device" if worst.get("values") else ""
+            )
+            lines.append(
+                f"{group}: max abs {worst['abs']:.3g}, rel {worst['rel']:.3g} (at {name(worst['where'])}{values}){flag}"
+            )
             if worst["over"] and len(worst["over"]) > 1:
                 ranked = sorted(worst["over"].items(), key=lambda kv: -kv[1])
                 shown = ", ".join(f"{name(k)} {v:.2g}" for k, v in ranked[:6])

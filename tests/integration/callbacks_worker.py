@@ -11,10 +11,10 @@ import json
 import os
 import sys
 
-import keras_dist  # Joins the cluster before TensorFlow runs anything.
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
+import keras_dist  # Joins the cluster before TensorFlow runs anything.
 
 CALLS = {"keras_save": 0, "keras_save_weights": 0, "csv_epoch_end": 0, "tensorboard_epoch_end": 0}
 
@@ -57,7 +57,9 @@ def main(out_dir, scenario):
     if scenario == "standard":
         callbacks = [
             keras.callbacks.ModelCheckpoint(os.path.join(run, "ckpt-{epoch:02d}.keras")),
-            keras.callbacks.ModelCheckpoint(os.path.join(run, "best.weights.h5"), save_weights_only=True, save_best_only=True, monitor="loss"),
+            keras.callbacks.ModelCheckpoint(
+                os.path.join(run, "best.weights.h5"), save_weights_only=True, save_best_only=True, monitor="loss"
+            ),
             keras.callbacks.ModelCheckpoint(os.path.join(run, "batch.weights.h5"), save_weights_only=True, save_freq=5),
             keras.callbacks.BackupAndRestore(os.path.join(run, "backup"), delete_checkpoint=False),
             keras.callbacks.CSVLogger(os.path.join(run, "log.csv")),

@@ -12,9 +12,9 @@ import os
 import sys
 import traceback
 
-import keras_dist  # joins the cluster before TensorFlow runs anything
-
 import numpy as np  # noqa: E402
+
+import keras_dist  # joins the cluster before TensorFlow runs anything
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `corpus`
 

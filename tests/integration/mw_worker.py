@@ -10,9 +10,9 @@ import os
 import signal
 import sys
 
-import keras_dist  # keras_dist: joins the cluster before TensorFlow runs anything.
-
 import keras  # noqa: E402
+
+import keras_dist  # keras_dist: joins the cluster before TensorFlow runs anything.
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

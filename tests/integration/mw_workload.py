@@ -7,8 +7,8 @@ Uneven on purpose: 37 training examples in global batches of 8 (last batch 5),
 gradients (token ids that repeat, a position embedding), Adam.
 """
 
-import numpy as np
 import keras
+import numpy as np
 import tensorflow as tf
 
 GLOBAL_BATCH_SIZE = 8

@@ -13,11 +13,10 @@ import signal
 import sys
 import time
 
-import keras_dist  # Joins the cluster before TensorFlow runs anything.
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import keras_dist  # Joins the cluster before TensorFlow runs anything.
 from keras_dist.callbacks import _resume  # noqa: E402
 
 
@@ -43,17 +42,25 @@ def main(out_dir, scenario):
     if scenario == "kill" and first_start and keras_dist.task_id() == 1:
         callbacks.append(AtStep(17, lambda: os.kill(os.getpid(), signal.SIGKILL)))
     if scenario == "sigterm" and keras_dist.task_id() == 0 and not os.path.exists(marker):
+
         def preempt():
             open(marker, "w").close()
             os.kill(os.getppid(), signal.SIGTERM)  # The launcher forwards it to every worker, as a scheduler would.
             deadline = time.monotonic() + 60
             while not _resume.PREEMPTION.requested and time.monotonic() < deadline:
                 time.sleep(0.05)  # Until the forwarded SIGTERM reached this worker: the agreement is then at step 17.
+
         callbacks.append(AtStep(17, preempt))
     model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
     info = keras_dist.cluster_info()
     with open(os.path.join(out_dir, f"{info.task_type}-{info.task_id}.json"), "w") as f:
-        json.dump({"iterations": int(np.asarray(model.optimizer.iterations)), "weights": [w.tolist() for w in model.get_weights()]}, f)
+        json.dump(
+            {
+                "iterations": int(np.asarray(model.optimizer.iterations)),
+                "weights": [w.tolist() for w in model.get_weights()],
+            },
+            f,
+        )
     print("done", info.task_name, flush=True)
 
 

@@ -11,14 +11,15 @@ import os
 import sys
 import traceback
 
-import keras_dist  # keras_dist: joins the cluster before TensorFlow runs anything.
-
 import tensorflow as tf  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
+
+import keras_dist  # keras_dist: joins the cluster before TensorFlow runs anything.
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 import sharding_workload  # noqa: E402
 import tfds_local  # noqa: E402
+
 from keras_dist.data import DatasetCreator, verify_sharding  # noqa: E402
 
 
@@ -59,9 +60,7 @@ def _reports(data_dir, out_dir, task_id):
         "tfds_load_no_autocache": lambda: verify_sharding(
             _tfds_pipeline(data_dir, tfds.ReadConfig(try_autocache=False)), example_id=_by_id
         ),
-        "tfds_shuffle_files": lambda: verify_sharding(
-            _tfds_pipeline(data_dir, shuffle_files=True), example_id=_by_id
-        ),
+        "tfds_shuffle_files": lambda: verify_sharding(_tfds_pipeline(data_dir, shuffle_files=True), example_id=_by_id),
         "tfds_dataset_creator": lambda: verify_sharding(DatasetCreator(tfds_fn), example_id=_by_id),
         "numpy_policy_off": lambda: verify_sharding(x, batch_size=8, auto_shard_policy="off"),
     }

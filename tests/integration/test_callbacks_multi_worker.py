@@ -27,7 +27,13 @@ def test_standard_callbacks_write_once_on_the_chief_and_files_load(tmp_path):
     chief, other = _launch(tmp_path, "standard")
     run = tmp_path / "run"
     assert sorted(os.listdir(run)) == [
-        "backup", "batch.weights.h5", "best.weights.h5", "ckpt-01.keras", "ckpt-02.keras", "final.keras", "log.csv",
+        "backup",
+        "batch.weights.h5",
+        "best.weights.h5",
+        "ckpt-01.keras",
+        "ckpt-02.keras",
+        "final.keras",
+        "log.csv",
         "tensorboard",
     ]  # No temporary files left; EarlyStopping stopped both workers after epoch 2.
     assert chief["calls"] == {"keras_save": 3, "keras_save_weights": 7, "csv_epoch_end": 2, "tensorboard_epoch_end": 2}
@@ -45,7 +51,9 @@ def test_standard_callbacks_write_once_on_the_chief_and_files_load(tmp_path):
     plain.load_weights(run / "best.weights.h5")  # Loss fell every epoch: the best is the last.
     assert all(np.allclose(a, b) for a, b in zip(plain.get_weights(), trained))
     assert json.loads((run / "backup" / "training_metadata.json").read_text()) == {
-        "epoch": 2, "batch": 0, "keras_dist_steps_done_in_epoch": 0,
+        "epoch": 2,
+        "batch": 0,
+        "keras_dist_steps_done_in_epoch": 0,
     }
     assert (run / "log.csv").read_text().count("\n") == 3  # Header and 2 epochs, written once.
 
@@ -87,8 +95,21 @@ else:
 def test_a_save_guarded_by_is_chief_fails_with_the_fix_instead_of_hanging(tmp_path):
     script = tmp_path / "guarded.py"
     script.write_text(GUARDED_SAVE_SCRIPT)
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", "--grace-period", "2", str(script), str(tmp_path)]
-    result = subprocess.run(command, env={**ENV, "KERAS_DIST_WRITE_TIMEOUT": "5"}, capture_output=True, text=True, timeout=110)
+    command = [
+        sys.executable,
+        "-m",
+        "keras_dist.cli",
+        "launch",
+        "--num-workers",
+        "2",
+        "--grace-period",
+        "2",
+        str(script),
+        str(tmp_path),
+    ]
+    result = subprocess.run(
+        command, env={**ENV, "KERAS_DIST_WRITE_TIMEOUT": "5"}, capture_output=True, text=True, timeout=110
+    )
     assert result.returncode == 1, result.stdout[-3000:]
     assert "the other workers did not join it within 5 s" in result.stdout
     assert "Fix: call `model.save(...)` on every worker" in result.stdout

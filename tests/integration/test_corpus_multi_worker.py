@@ -15,7 +15,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from corpus import harness
 
 pytestmark = pytest.mark.multi_worker
@@ -77,4 +76,6 @@ def test_program_on_two_workers_matches_one_device(launched, name):
         path = out_dir / f"{name}-worker-{task_id}.npz"
         assert path.exists(), f"worker {task_id} wrote no results for {name}:\n{log}"
         report = harness.compare(references[name], harness.load_results(path), harness.tolerance(harness.load(name)))
-        assert harness.passed(report), f"{name} on worker {task_id} vs one device:\n{harness.describe(report, references[name]['weight_paths'])}"
+        assert harness.passed(report), (
+            f"{name} on worker {task_id} vs one device:\n{harness.describe(report, references[name]['weight_paths'])}"
+        )

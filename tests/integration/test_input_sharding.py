@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 import pytest
-
 import sharding_workload
 import tfds_local
 
@@ -36,8 +35,17 @@ def tfds_dir(tmp_path_factory):
 def run(request, tmp_path_factory, tfds_dir):
     out = tmp_path_factory.mktemp(f"sharding-2x{request.param}")
     command = [
-        sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
-        "--cpu-replicas", str(request.param), os.path.join(HERE, "sharding_worker.py"), str(out), tfds_dir,
+        sys.executable,
+        "-m",
+        "keras_dist.cli",
+        "launch",
+        "--num-workers",
+        "2",
+        "--cpu-replicas",
+        str(request.param),
+        os.path.join(HERE, "sharding_worker.py"),
+        str(out),
+        tfds_dir,
     ]
     result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -74,13 +74,16 @@ def _wait_for_files(paths, timeout):
 
 @pytest.mark.timeout(90)
 def test_two_workers_get_their_tf_config_and_prefixed_output(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
 config = json.loads(os.environ["TF_CONFIG"])
 print(json.dumps({"task": config["task"], "cluster": config["cluster"],
                   "cpu_replicas": os.environ.get("KERAS_DIST_CPU_REPLICAS"), "argv": sys.argv[2:]}))
 print("to stderr", file=sys.stderr)
 sys.stdout.write("last line without newline")
-""")
+""",
+    )
     result = _run(["--num-workers", "2", "--cpu-replicas", "3"], [script, str(tmp_path), "--epochs", "3"])
     assert result.returncode == 0, result.stdout + result.stderr
     reports = []
@@ -100,7 +103,11 @@ def test_module_mode_runs_python_dash_m(tmp_path):
     (tmp_path / "my_trainer.py").write_text("import os; print('module', os.environ.get('KERAS_DIST_CPU_REPLICAS'))\n")
     result = subprocess.run(
         [*LAUNCHER, "--num-workers", "1", "-m", "my_trainer"],
-        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env=ENV,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert _worker_lines(result.stdout, 0) == ["module None"]
@@ -108,14 +115,17 @@ def test_module_mode_runs_python_dash_m(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_failing_worker_stops_the_others_and_sets_the_exit_status(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
 if TASK_ID == 0:
     write("pid0", os.getpid())
     time.sleep(70)  # Longer than _run's 60 s timeout: only the launcher can end it in time.
 else:
     wait_for("pid0")
     sys.exit(3)
-""")
+""",
+    )
     result = _run([], [script, str(tmp_path)])
     assert result.returncode == 3, result.stdout + result.stderr
     assert "keras-dist launch: worker 1 exited with status 3; stopping the other workers." in result.stderr
@@ -124,7 +134,9 @@ else:
 
 @pytest.mark.timeout(90)
 def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
 if TASK_ID == 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     write("pid0", os.getpid())
@@ -132,7 +144,8 @@ if TASK_ID == 0:
 else:
     wait_for("pid0")
     os.kill(os.getpid(), signal.SIGKILL)
-""")
+""",
+    )
     result = _run(["--grace-period", "2"], [script, str(tmp_path)])
     assert result.returncode == 137, result.stdout + result.stderr
     assert "worker 1 was killed by SIGKILL; stopping the other workers." in result.stderr
@@ -143,7 +156,9 @@ else:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_signal_to_launcher_reaches_every_worker(tmp_path, signum, status):
-    script = _script(tmp_path, f"""
+    script = _script(
+        tmp_path,
+        f"""
 def on_signal(received, frame):
     write(f"got{{TASK_ID}}", signal.Signals(received).name)
     sys.exit(0)
@@ -151,10 +166,14 @@ def on_signal(received, frame):
 signal.signal({int(signum)}, on_signal)
 write(f"pid{{TASK_ID}}", os.getpid())
 time.sleep(60)
-""")
+""",
+    )
     launcher = subprocess.Popen(
         [*LAUNCHER, "--num-workers", "2", script, str(tmp_path)],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         _wait_for_files([tmp_path / "pid0", tmp_path / "pid1"], timeout=40)
@@ -173,9 +192,12 @@ time.sleep(60)
 
 @pytest.mark.timeout(90)
 def test_cluster_mode_starts_only_the_given_task(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
 print(os.environ["TF_CONFIG"])
-""")
+""",
+    )
     workers = [f"127.0.0.1:{port}" for port in find_free_ports(2)]
     result = _run(["--workers", ",".join(workers), "--task-index", "1"], [script, str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,12 +13,11 @@ import sys
 import time
 
 import keras
+import mw_workload
 import numpy as np
 import pytest
 
 from keras_dist.cli.launch import build_cluster_spec, build_worker_env, find_free_ports
-
-import mw_workload
 
 pytestmark = pytest.mark.multi_worker
 
@@ -119,7 +118,9 @@ def _start_workers(tmp_path, num_workers, task_ids, script_args, env):
         worker_env = build_worker_env({**ENV, **env}, cluster_spec=cluster, task_id=task_id)
         log = open(tmp_path / f"worker-{task_id}.log", "w")
         processes[task_id] = (
-            subprocess.Popen([sys.executable, WORKER, *script_args], env=worker_env, stdout=log, stderr=subprocess.STDOUT),
+            subprocess.Popen(
+                [sys.executable, WORKER, *script_args], env=worker_env, stdout=log, stderr=subprocess.STDOUT
+            ),
             log,
         )
     return processes
@@ -184,8 +185,14 @@ def test_launcher_stops_survivors_when_a_worker_is_killed(tmp_path):
     "tf_config, match",
     [
         ("{not json", "not valid JSON"),
-        ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}', "share the address"),
-        ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 2}}', "out of range"),
+        (
+            '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}',
+            "share the address",
+        ),
+        (
+            '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 2}}',
+            "out of range",
+        ),
     ],
     ids=["bad_json", "duplicate_address", "index_out_of_range"],
 )
@@ -284,7 +291,17 @@ model.evaluate(x, x[:, :1], batch_size=8, verbose=0)
 def test_workers_running_different_programs_get_a_clear_error(tmp_path):
     script = tmp_path / "mismatched.py"
     script.write_text(MISMATCHED_SCRIPT)
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", "--grace-period", "3", str(script)]
+    command = [
+        sys.executable,
+        "-m",
+        "keras_dist.cli",
+        "launch",
+        "--num-workers",
+        "2",
+        "--grace-period",
+        "3",
+        str(script),
+    ]
     result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
     assert result.returncode == 1, result.stdout[-3000:]
     assert "The workers are out of step: another worker ran a different collective" in result.stdout
@@ -323,7 +340,9 @@ print("finished without error", flush=True)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("accumulation, second_bias", [(1, True), (2, True), (1, False)], ids=["equal", "equal_accumulating", "unequal"])
+@pytest.mark.parametrize(
+    "accumulation, second_bias", [(1, True), (2, True), (1, False)], ids=["equal", "equal_accumulating", "unequal"]
+)
 def test_workers_giving_gradients_to_different_variables_fail_naming_them(tmp_path, accumulation, second_bias):
     """Issue 5 item 6: no hang and no silently wrong sum when workers disagree on which gradients are None.
 
@@ -333,11 +352,21 @@ def test_workers_giving_gradients_to_different_variables_fail_naming_them(tmp_pa
     script = tmp_path / "branching.py"
     source = BRANCHING_SCRIPT
     if not second_bias:
-        source = source.replace('Dense(1, name="second_worker_only")', 'Dense(1, use_bias=False, name="second_worker_only")')
+        source = source.replace(
+            'Dense(1, name="second_worker_only")', 'Dense(1, use_bias=False, name="second_worker_only")'
+        )
     script.write_text(source)
     command = [
-        sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", "--grace-period", "3",
-        str(script), str(accumulation),
+        sys.executable,
+        "-m",
+        "keras_dist.cli",
+        "launch",
+        "--num-workers",
+        "2",
+        "--grace-period",
+        "3",
+        str(script),
+        str(accumulation),
     ]
     result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
     assert result.returncode == 1, result.stdout[-3000:]

@@ -52,7 +52,10 @@ def test_main_example_smoke_run():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run(
         [sys.executable, os.path.join(root, "examples", "digits_cnn.py"), "--smoke"],
-        env=ENV, capture_output=True, text=True, timeout=280,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "keras-dist plan" in result.stdout

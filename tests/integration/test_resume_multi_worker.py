@@ -15,7 +15,18 @@ ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1"}
 
 
 def _launch(out_dir, scenario, *options):
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", *options, WORKER, str(out_dir), scenario]
+    command = [
+        sys.executable,
+        "-m",
+        "keras_dist.cli",
+        "launch",
+        "--num-workers",
+        "2",
+        *options,
+        WORKER,
+        str(out_dir),
+        scenario,
+    ]
     return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=150)
 
 

@@ -117,15 +117,21 @@ def test_retracing_monitor_warns_with_the_signatures(mirrored_1x2_cpu):
     model = _sequence_model(mirrored_1x2_cpu)
     x = np.zeros((16, 5), "int32")
     monitor = RetracingMonitor(max_traces_per_epoch=0)
-    with pytest.warns(errors.KerasDistWarning, match=r"(?s)model.predict_function was traced 1 times in epoch 1.*Fix: give"):
-        history = model.fit(x, np.zeros((16, 1)), batch_size=8, epochs=3, verbose=0, callbacks=[PredictGrowingInputs(), monitor])
+    with pytest.warns(
+        errors.KerasDistWarning, match=r"(?s)model.predict_function was traced 1 times in epoch 1.*Fix: give"
+    ):
+        history = model.fit(
+            x, np.zeros((16, 1)), batch_size=8, epochs=3, verbose=0, callbacks=[PredictGrowingInputs(), monitor]
+        )
     assert history.history["train_traces"][1:] == [0, 0]
     assert monitor.traces["predict_function"] >= 2  # Keras relaxes the shape after two traces.
 
 
 def test_retracing_monitor_is_quiet_on_static_shapes(mirrored_1x2_cpu, recwarn):
     model = _sequence_model(mirrored_1x2_cpu)
-    model.fit(np.zeros((16, 5), "int32"), np.zeros((16, 1)), batch_size=8, epochs=3, verbose=0, callbacks=[RetracingMonitor()])
+    model.fit(
+        np.zeros((16, 5), "int32"), np.zeros((16, 1)), batch_size=8, epochs=3, verbose=0, callbacks=[RetracingMonitor()]
+    )
     assert not [w for w in recwarn if issubclass(w.category, errors.KerasDistWarning)]
 
 
@@ -136,7 +142,9 @@ def test_throughput_monitor_model_flops_utilization(mirrored_1x2_cpu):
     logs = model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[monitor]).history
     np.testing.assert_allclose(logs["model_flops_per_second"], np.array(logs["examples_per_second"]) * 24)
     np.testing.assert_allclose(logs["model_flops_utilization"], np.array(logs["model_flops_per_second"]) / 2e9)
-    without_peak = model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[ThroughputMonitor(flops_per_example=24)])
+    without_peak = model.fit(
+        *_data(), batch_size=8, epochs=1, verbose=0, callbacks=[ThroughputMonitor(flops_per_example=24)]
+    )
     assert "model_flops_per_second" in without_peak.history and "model_flops_utilization" not in without_peak.history
     with pytest.raises(ValueError, match="`flops_per_example` must be a number > 0"):
         ThroughputMonitor(flops_per_example=0)
@@ -154,7 +162,11 @@ def test_retracing_monitor_counts_the_train_function(mirrored_1x2_cpu):
     monitor = RetracingMonitor(max_traces_per_epoch=0)
     with pytest.warns(errors.KerasDistWarning, match="model.train_function was traced"):
         history = model.fit(
-            np.zeros((16, 5), "int32"), np.zeros((16, 1)), batch_size=8, epochs=3, verbose=0,
+            np.zeros((16, 5), "int32"),
+            np.zeros((16, 1)),
+            batch_size=8,
+            epochs=3,
+            verbose=0,
             callbacks=[TrainOnGrowingBatches(), monitor],
         )
     assert history.history["train_traces"][0] >= 1  # fit's own first trace
@@ -164,7 +176,9 @@ def test_retracing_monitor_counts_the_train_function(mirrored_1x2_cpu):
 def test_warmup_hands_over_to_a_later_scheduler_and_counts_micro_batches(mirrored_1x2_cpu):
     model, record = _model(mirrored_1x2_cpu), RecordLearningRate()
     scheduler = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr if epoch == 0 else 0.05)
-    model.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[LearningRateWarmup(warmup_epochs=1), scheduler, record])
+    model.fit(
+        *_data(), batch_size=8, epochs=2, verbose=0, callbacks=[LearningRateWarmup(warmup_epochs=1), scheduler, record]
+    )
     np.testing.assert_allclose(record.rates[:8], [0.1 + 0.1 * s / 8 for s in range(8)], rtol=1e-6)
     np.testing.assert_allclose(record.rates[8:], [0.05] * 8, rtol=1e-6)  # The scheduler's rate, not the warm-up's.
 
@@ -172,7 +186,9 @@ def test_warmup_hands_over_to_a_later_scheduler_and_counts_micro_batches(mirrore
     accumulating = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
     accumulating.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
     record = RecordLearningRate()
-    accumulating.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[LearningRateWarmup(warmup_epochs=1), record])
+    accumulating.fit(
+        *_data(), batch_size=8, epochs=2, verbose=0, callbacks=[LearningRateWarmup(warmup_epochs=1), record]
+    )
     np.testing.assert_allclose(record.rates[8:], [0.2] * 8, rtol=1e-6)  # Warm-up over the first epoch's 8 batches.
 
 
@@ -182,7 +198,9 @@ def test_throughput_monitor_without_a_known_global_batch_size(mirrored_1x2_cpu):
     x, y = _data()
     examples = tf.data.Dataset.from_tensor_slices((x, y))
     batches = keras_dist.data.bucket_by_length(examples, boundaries=[4], global_batch_size=8, length_fn=lambda a, b: 3)
-    with pytest.warns(errors.KerasDistWarning, match=r"global batch size is unknown.*ThroughputMonitor\(global_batch_size=\.\.\.\)"):
+    with pytest.warns(
+        errors.KerasDistWarning, match=r"global batch size is unknown.*ThroughputMonitor\(global_batch_size=\.\.\.\)"
+    ):
         logs = model.fit(batches, epochs=1, verbose=0, callbacks=[ThroughputMonitor()]).history
     assert "step_seconds_p50" in logs and "examples_per_second" not in logs
     logs = model.fit(batches, epochs=1, verbose=0, callbacks=[ThroughputMonitor(global_batch_size=8)]).history

@@ -12,7 +12,9 @@ from keras_dist.callbacks import _adapt, _coordination
 
 def _model(strategy):
     inputs = keras.Input((3,))
-    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs), strategy=strategy)
+    model = keras_dist.DistributedModel(
+        inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs), strategy=strategy
+    )
     model.compile(optimizer="sgd", loss="mse")
     return model
 
@@ -39,7 +41,9 @@ def test_save_writes_through_a_temporary_name(tmp_path, mirrored_1x2_cpu, monkey
     model = _model(mirrored_1x2_cpu)
     renames = []
     original = _coordination.tf.io.gfile.rename
-    monkeypatch.setattr(_coordination.tf.io.gfile, "rename", lambda a, b, overwrite: renames.append((a, b)) or original(a, b, overwrite))
+    monkeypatch.setattr(
+        _coordination.tf.io.gfile, "rename", lambda a, b, overwrite: renames.append((a, b)) or original(a, b, overwrite)
+    )
     model.save(tmp_path / "m.keras")
     model.save_weights(tmp_path / "m.weights.h5")
     assert [os.path.basename(b) for _, b in renames] == ["m.keras", "m.weights.h5"]

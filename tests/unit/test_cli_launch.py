@@ -102,7 +102,10 @@ def test_build_worker_env_passes_keras_dist_settings():
     "kwargs, match",
     [
         (dict(cpu_replicas=0), r"`cpu_replicas` must be an integer >= 1. Received: cpu_replicas=0"),
-        (dict(startup_timeout=0), r"`startup_timeout` must be a finite number of seconds > 0. Received: startup_timeout=0"),
+        (
+            dict(startup_timeout=0),
+            r"`startup_timeout` must be a finite number of seconds > 0. Received: startup_timeout=0",
+        ),
         (dict(collective_timeout=float("inf")), r"Received: collective_timeout=inf"),
         (dict(task_id=2), r"Received: task_id=2"),
     ],

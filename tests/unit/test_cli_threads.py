@@ -52,7 +52,9 @@ def test_build_worker_env_sets_and_removes_thread_variables():
     assert INTRA_OP_THREADS_ENV not in env and INTER_OP_THREADS_ENV not in env
     env = build_worker_env(inherited, cluster_spec=SPEC_2, task_id=0)  # None: left as inherited.
     assert env[INTRA_OP_THREADS_ENV] == "7"
-    with pytest.raises(ValueError, match=r"`threads_per_worker` must be an integer >= 0.*Received: threads_per_worker=-2"):
+    with pytest.raises(
+        ValueError, match=r"`threads_per_worker` must be an integer >= 0.*Received: threads_per_worker=-2"
+    ):
         build_worker_env({}, cluster_spec=SPEC_2, task_id=0, threads_per_worker=-2)
 
 
@@ -75,7 +77,9 @@ class _CapturingGroup:
         return 0
 
 
-@pytest.mark.parametrize("flag, expected", [([], "4"), (["--threads-per-worker", "2"], "2"), (["--threads-per-worker", "0"], None)])
+@pytest.mark.parametrize(
+    "flag, expected", [([], "4"), (["--threads-per-worker", "2"], "2"), (["--threads-per-worker", "0"], None)]
+)
 def test_launch_passes_threads_to_every_worker(flag, expected, monkeypatch, tmp_path):
     script = tmp_path / "train.py"
     script.write_text("pass\n")
@@ -95,7 +99,9 @@ def test_launch_rejects_negative_threads(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc_info:
         main(["launch", "--threads-per-worker", "-1", str(script)])
     assert exc_info.value.code == 2
-    assert re.search(r"`--threads-per-worker` must be an integer >= 0.*Received: --threads-per-worker=-1", capsys.readouterr().err)
+    assert re.search(
+        r"`--threads-per-worker` must be an integer >= 0.*Received: --threads-per-worker=-1", capsys.readouterr().err
+    )
 
 
 def test_requested_threads_reads_the_environment():
@@ -103,7 +109,10 @@ def test_requested_threads_reads_the_environment():
     environ = {INTRA_OP_THREADS_ENV: "2", INTER_OP_THREADS_ENV: "0"}
     assert runtime_threads.requested_threads(environ) == {"intra_op": 2, "inter_op": None}
     for raw in ("-1", "two"):
-        with pytest.raises(ValueError, match=rf"`{INTRA_OP_THREADS_ENV}` must be an integer >= 0.*Received: {INTRA_OP_THREADS_ENV}='{raw}'"):
+        with pytest.raises(
+            ValueError,
+            match=rf"`{INTRA_OP_THREADS_ENV}` must be an integer >= 0.*Received: {INTRA_OP_THREADS_ENV}='{raw}'",
+        ):
             runtime_threads.requested_threads({INTRA_OP_THREADS_ENV: raw})
 
 
@@ -112,7 +121,10 @@ def test_apply_requested_threads_too_late_warns_and_keeps_defaults():
 
     tf.constant(1.0) + 1.0  # TensorFlow's context is initialized in the unit tier.
     current = tf.config.threading.get_intra_op_parallelism_threads()
-    with pytest.warns(errors.KerasDistWarning, match=r"could not set TensorFlow's intra-op threads to \d+.*Fix: put `import keras_dist`"):
+    with pytest.warns(
+        errors.KerasDistWarning,
+        match=r"could not set TensorFlow's intra-op threads to \d+.*Fix: put `import keras_dist`",
+    ):
         applied = runtime_threads.apply_requested_threads({INTRA_OP_THREADS_ENV: str(current + 3)})
     assert applied == {"intra_op": None, "inter_op": None}
     assert tf.config.threading.get_intra_op_parallelism_threads() == current

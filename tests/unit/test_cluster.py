@@ -56,7 +56,10 @@ def test_single_task_without_task_key():
         (_tf_config({"worker": "a:1,b:2"}, {"type": "worker", "index": 0}), "must be a list"),
         (_tf_config({"worker": ["a", "b:2"]}, {"type": "worker", "index": 0}), "Address 'a'"),
         (_tf_config({"worker": ["a:70000"]}, {"type": "worker", "index": 0}), "port from 1 to 65535"),
-        (_tf_config({"chief": ["a:1", "b:1"], "worker": ["c:1"]}, {"type": "chief", "index": 0}), "at most one `chief`"),
+        (
+            _tf_config({"chief": ["a:1", "b:1"], "worker": ["c:1"]}, {"type": "chief", "index": 0}),
+            "at most one `chief`",
+        ),
         (_tf_config({"evaluator": ["a:1"]}, {"type": "evaluator", "index": 0}), "lists no `chief` or `worker`"),
         (_tf_config({"worker": ["a:1", "a:1"]}, {"type": "worker", "index": 0}), "worker:0 and worker:1 share"),
         (_tf_config({"chief": ["a:1"], "worker": ["a:1"]}, {"type": "worker", "index": 0}), "chief:0 and worker:0"),
@@ -154,15 +157,20 @@ def test_timeouts_defaults_and_overrides():
         "heartbeat_timeout_seconds": 30.0,
         "collective_timeout_seconds": 0.0,
     }
-    assert _resolve.timeouts_from_environment({"KERAS_DIST_COLLECTIVE_TIMEOUT": "60"})[
-        "collective_timeout_seconds"
-    ] == 60.0
+    assert (
+        _resolve.timeouts_from_environment({"KERAS_DIST_COLLECTIVE_TIMEOUT": "60"})["collective_timeout_seconds"]
+        == 60.0
+    )
 
 
 @pytest.mark.parametrize(
     "name, value, match",
     [
-        ("KERAS_DIST_STARTUP_TIMEOUT", "ten", r"must be a number of seconds > 0\. Received: KERAS_DIST_STARTUP_TIMEOUT='ten'"),
+        (
+            "KERAS_DIST_STARTUP_TIMEOUT",
+            "ten",
+            r"must be a number of seconds > 0\. Received: KERAS_DIST_STARTUP_TIMEOUT='ten'",
+        ),
         ("KERAS_DIST_STARTUP_TIMEOUT", "0", "> 0"),
         ("KERAS_DIST_HEARTBEAT_TIMEOUT", "0.5", "> 0"),
         ("KERAS_DIST_COLLECTIVE_TIMEOUT", "-1", ">= 0"),

@@ -26,7 +26,9 @@ def test_bad_options_are_refused(kwargs, match):
 
 def test_tensorflow_options_and_dicts_are_accepted():
     tf_options = tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=1024, timeout_seconds=5.0, implementation=tf.distribute.experimental.CommunicationImplementation.RING
+        bytes_per_pack=1024,
+        timeout_seconds=5.0,
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING,
     )
     options = keras_dist.CommunicationOptions.from_value(tf_options)
     assert options == keras_dist.CommunicationOptions("ring", 1024, 5.0)
@@ -42,7 +44,9 @@ def test_nccl_without_gpus_is_refused_at_construction(mirrored_1x2_cpu):
 
 
 def test_plan_shows_the_options(mirrored_1x2_cpu):
-    plan = keras_dist.strategy.describe(mirrored_1x2_cpu, communication=keras_dist.CommunicationOptions(compression="fp16").describe())
+    plan = keras_dist.strategy.describe(
+        mirrored_1x2_cpu, communication=keras_dist.CommunicationOptions(compression="fp16").describe()
+    )
     assert "communication:        AUTO, pack auto, no timeout, fp16 compression" in str(plan)
 
 
@@ -68,7 +72,9 @@ def _classifier(model_class, communication=None, **kwargs):
     inputs = keras.Input((6,), dtype="int32")
     hidden = keras.layers.Embedding(50, 4, embeddings_initializer=keras.initializers.RandomUniform(seed=1))(inputs)
     hidden = keras.layers.GlobalAveragePooling1D()(hidden)
-    unused = keras.layers.Dense(3, kernel_initializer="zeros", name="unused")  # built, trainable, never in the graph: a None gradient
+    unused = keras.layers.Dense(
+        3, kernel_initializer="zeros", name="unused"
+    )  # built, trainable, never in the graph: a None gradient
     unused.build((None, 4))
     outputs = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(hidden)
     extra = {} if communication is None else {"communication": communication}
@@ -85,9 +91,7 @@ def _fit(model):
     return model
 
 
-@pytest.mark.parametrize(
-    "compression, tolerance", [(None, 1e-5), ("bf16", 2e-2), ("fp16", 2e-3)]
-)
+@pytest.mark.parametrize("compression, tolerance", [(None, 1e-5), ("bf16", 2e-2), ("fp16", 2e-3)])
 def test_sparse_gradients_and_compression_against_single_device(mirrored_1x2_cpu, compression, tolerance):
     """Embedding gradients arrive as tf.IndexedSlices (all-gathered, not compressed); the rest is cast."""
     reference = _fit(_classifier(keras.Model))

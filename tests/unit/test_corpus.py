@@ -26,10 +26,10 @@ whole table (every difference, every time).
 
 import numpy as np
 import pytest
-
-import keras_dist
 from corpus import harness
 from corpus.programs import NAMES
+
+import keras_dist
 
 # Measured at 4ad5b55 and 2fa9a85 (keras 3.15.1, TensorFlow 2.21, oneDNN off); `python -m corpus NAME` shows the numbers now.
 KNOWN_FAILURES = {
@@ -62,4 +62,6 @@ def test_program_matches_one_device(name, mirrored_1x2_cpu):
     for a, b in zip(got["initial_weights"], reference["initial_weights"], strict=True):
         np.testing.assert_array_equal(a, b)
     report = harness.compare(reference, got, harness.tolerance(program))
-    assert harness.passed(report), f"{name} on 2 replicas vs one device:\n{harness.describe(report, reference['weight_paths'])}"
+    assert harness.passed(report), (
+        f"{name} on 2 replicas vs one device:\n{harness.describe(report, reference['weight_paths'])}"
+    )

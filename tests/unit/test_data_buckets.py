@@ -82,7 +82,9 @@ def _sequences(lengths, *extra_specs, extra=lambda n: ()):
 def test_a_sequence_past_the_last_boundary_names_its_length_and_the_fixes(mirrored_1x2_cpu):
     examples = _sequences([5, 40], tf.TensorSpec([], tf.float32), extra=lambda n: (1.0,))
     batches = bucket_by_length(examples, boundaries=[16, 32], global_batch_size=2)
-    match = r"shorter than the last boundary\. Received: last boundary=32, sequence length=\] \[40\].*pad_to_boundary=False"
+    match = (
+        r"shorter than the last boundary\. Received: last boundary=32, sequence length=\] \[40\].*pad_to_boundary=False"
+    )
     with pytest.raises(tf.errors.InvalidArgumentError, match=match):
         list(batches)
     inputs = keras.Input((None,), dtype="int32")
@@ -98,21 +100,25 @@ def test_a_sequence_past_the_last_boundary_names_its_length_and_the_fixes(mirror
 def test_string_and_bool_parts_are_kept_and_padded_with_their_own_dtype():
     specs = (tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.bool), tf.TensorSpec([None], tf.string))
     examples = _sequences([2, 3, 20], *specs, extra=lambda n: (f"id{n}", n > 2, ["w"] * n))
-    batches = list(bucket_by_length(examples, boundaries=[8, 32], global_batch_size=2, length_fn=lambda x, *_: tf.shape(x)[0]))
+    batches = list(
+        bucket_by_length(examples, boundaries=[8, 32], global_batch_size=2, length_fn=lambda x, *_: tf.shape(x)[0])
+    )
     ids = sorted(i.decode() for _, batch_ids, _, _ in batches for i in batch_ids.numpy())
     assert ids == ["id2", "id20", "id3"]
     short = next(batch for batch in batches if batch[0].shape == (2, 7))
     assert short[1].numpy().tolist() == [b"id2", b"id3"] and short[2].numpy().tolist() == [False, True]
     assert short[3].numpy()[0].tolist() == [b"w", b"w", b"", b"", b"", b"", b""]  # Strings padded with "".
     with pytest.raises(TypeError, match=r"padding_value` must convert.*Received: padding_value='x' for example\[0\]"):
-        bucket_by_length(examples, boundaries=[8], global_batch_size=2, padding_value="x", length_fn=lambda x, *_: tf.shape(x)[0])
+        bucket_by_length(
+            examples, boundaries=[8], global_batch_size=2, padding_value="x", length_fn=lambda x, *_: tf.shape(x)[0]
+        )
 
 
 def test_numpy_integers_are_accepted_and_bools_and_floats_refused():
     lengths = np.array([3, 8, 19])
     boundaries = np.percentile(lengths, [50, 100]).astype(int) + 1  # NumPy int64s: [9, 20].
     batches = bucket_by_length(_sequences(lengths), boundaries=boundaries, global_batch_size=np.int64(2))
-    assert sorted(tuple(x.shape) for x, in batches) == [(1, 19), (2, 8)]
+    assert sorted(tuple(x.shape) for (x,) in batches) == [(1, 19), (2, 8)]
     with pytest.raises(TypeError, match=r"global_batch_size=True of type bool"):
         bucket_by_length(_sequences(lengths), boundaries=[9], global_batch_size=True)
     with pytest.raises(TypeError, match=r"with 8\.0 of type float"):
@@ -127,20 +133,34 @@ def _dict_examples(**specs):
 
 
 def test_dict_examples_are_measured_by_their_only_sequence_whatever_the_key_order():
-    batches = list(bucket_by_length(_dict_examples(), boundaries=[8, 16], global_batch_size=2))  # Sorted: "label" first.
-    assert sorted((b["label"].numpy().tolist(), tuple(b["tokens"].shape)) for b in batches) == [([3], (1, 7)), ([12], (1, 15))]
+    batches = list(
+        bucket_by_length(_dict_examples(), boundaries=[8, 16], global_batch_size=2)
+    )  # Sorted: "label" first.
+    assert sorted((b["label"].numpy().tolist(), tuple(b["tokens"].shape)) for b in batches) == [
+        ([3], (1, 7)),
+        ([12], (1, 15)),
+    ]
 
 
 def test_several_or_no_sequences_need_a_length_fn_and_the_message_names_the_parts():
     two_sequences = _dict_examples().map(lambda ex: {**ex, "mask": tf.ones_like(ex["tokens"])})
-    with pytest.raises(ValueError, match=r"found several\. Received: example\['mask'\], example\['tokens'\].*length_fn=lambda"):
+    with pytest.raises(
+        ValueError, match=r"found several\. Received: example\['mask'\], example\['tokens'\].*length_fn=lambda"
+    ):
         bucket_by_length(two_sequences, boundaries=[8], global_batch_size=2)
-    chosen = bucket_by_length(two_sequences, boundaries=[8, 16], global_batch_size=2, length_fn=lambda ex: tf.shape(ex["tokens"])[0])
+    chosen = bucket_by_length(
+        two_sequences, boundaries=[8, 16], global_batch_size=2, length_fn=lambda ex: tf.shape(ex["tokens"])[0]
+    )
     assert sorted(tuple(b["mask"].shape) for b in chosen) == [(1, 7), (1, 15)]
-    with pytest.raises(ValueError, match=r"looks already batched.*Received: example\['label'\]: TensorSpec\(shape=\(None,\).*before `batch`"):
+    with pytest.raises(
+        ValueError,
+        match=r"looks already batched.*Received: example\['label'\]: TensorSpec\(shape=\(None,\).*before `batch`",
+    ):
         bucket_by_length(_dict_examples().padded_batch(2), boundaries=[8], global_batch_size=2)
     features = _dict_examples().map(lambda ex: {"tokens": tf.stack([ex["tokens"]] * 2, axis=1), "label": ex["label"]})
-    with pytest.raises(ValueError, match=r"found none\..*length_fn=lambda example: tf\.shape\(example\['tokens'\]\)\[0\]"):
+    with pytest.raises(
+        ValueError, match=r"found none\..*length_fn=lambda example: tf\.shape\(example\['tokens'\]\)\[0\]"
+    ):
         bucket_by_length(features, boundaries=[8], global_batch_size=2)
 
 

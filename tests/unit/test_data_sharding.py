@@ -4,17 +4,15 @@ The multi-worker half (2x1, 2x2, the 1-file TFRecord case) is in
 tests/integration/test_input_sharding.py.
 """
 
+import keras
 import numpy as np
 import pytest
-import keras
+import sharding_workload
 import tensorflow as tf
 
 import keras_dist
-from keras_dist.data import DatasetCreator, verify_sharding, with_auto_shard_policy
-from keras_dist.data import _sharding
+from keras_dist.data import DatasetCreator, _sharding, verify_sharding, with_auto_shard_policy
 from keras_dist.testing import max_weight_difference
-
-import sharding_workload
 
 KINDS_ONE_WORKER = [k for k in sharding_workload.INPUT_KINDS]
 
@@ -117,7 +115,12 @@ def test_evaluate_and_predict_exact_on_any_size(num_examples, mirrored_1x3_cpu):
         outputs = keras.layers.Dense(1, activation="sigmoid", kernel_initializer="glorot_uniform")(inputs)
         model = model_class(inputs, outputs, **kwargs)
         model.set_weights([np.full((3, 1), 0.3, "float32"), np.array([-0.2], "float32")])
-        metrics = ["accuracy", "mae", _OfPredictions(keras.metrics.Sum)(name="sum"), _OfPredictions(keras.metrics.Mean)(name="mean")]
+        metrics = [
+            "accuracy",
+            "mae",
+            _OfPredictions(keras.metrics.Sum)(name="sum"),
+            _OfPredictions(keras.metrics.Mean)(name="mean"),
+        ]
         model.compile(loss="binary_crossentropy", metrics=metrics)
         return model
 
@@ -129,7 +132,8 @@ def test_evaluate_and_predict_exact_on_any_size(num_examples, mirrored_1x3_cpu):
         for name, value in expected.items():
             np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)
         np.testing.assert_allclose(
-            model.predict(x, batch_size=batch_size, verbose=0), reference.predict(x, batch_size=batch_size, verbose=0),
+            model.predict(x, batch_size=batch_size, verbose=0),
+            reference.predict(x, batch_size=batch_size, verbose=0),
             rtol=1e-6,
         )
 
@@ -189,7 +193,9 @@ def test_user_choice_is_kept_except_impossible_file(tmp_path):
 
 
 def test_unknown_policy_is_refused():
-    with pytest.raises(ValueError, match=r"must be one of \('auto', 'file', 'data', 'off'\).*Received: auto_shard_policy='rows'"):
+    with pytest.raises(
+        ValueError, match=r"must be one of \('auto', 'file', 'data', 'off'\).*Received: auto_shard_policy='rows'"
+    ):
         keras_dist.DistributedModel(auto_shard_policy="rows")
 
 
@@ -198,7 +204,9 @@ def test_unknown_policy_is_refused():
 def test_verify_sharding_counts_every_example_once(kind, mirrored_1x2_cpu, tmp_path):
     args, kwargs = sharding_workload.inputs_for(kind, str(tmp_path))
     report = verify_sharding(
-        *args, batch_size=kwargs.get("batch_size"), strategy=mirrored_1x2_cpu,
+        *args,
+        batch_size=kwargs.get("batch_size"),
+        strategy=mirrored_1x2_cpu,
         example_id=lambda x: tf.cast(tf.reshape(x[0] if isinstance(x, tuple) else x, [-1]), tf.int64),
     )
     assert report.num_examples == 37 and report.every_example_once, str(report)
@@ -246,7 +254,10 @@ def test_position_dependent_steps_after_the_files_use_data(tmp_path):
         assert decision.auto_shard_policy == "data" and "after reading its files" in decision.reason, decision
     # take() on the file names, before reading, is per worker by design: FILE stays.
     names = tf.data.Dataset.from_tensor_slices(files).take(2)
-    assert _sharding.choose_auto_shard_policy(names.interleave(tf.data.TFRecordDataset).batch(2), 2).auto_shard_policy == "file"
+    assert (
+        _sharding.choose_auto_shard_policy(names.interleave(tf.data.TFRecordDataset).batch(2), 2).auto_shard_policy
+        == "file"
+    )
 
 
 def test_predict_keeps_input_order_so_never_file(tmp_path):
@@ -313,7 +324,9 @@ def test_warnings_once_per_reason_and_never_for_a_chosen_policy(monkeypatch):
     too_few = _sharding.ShardingDecision("data", 1, "1 file(s) for 2 workers", fix="write more files")
     with pytest.warns(keras_dist.errors.KerasDistWarning, match="reads all 1 file.*Fix: write more files"):
         _sharding.warn_once(too_few, 2, "tf.data.Dataset")
-    with pytest.warns(keras_dist.errors.KerasDistWarning, match="each of the 2 workers runs the whole Python generator"):
+    with pytest.warns(
+        keras_dist.errors.KerasDistWarning, match="each of the 2 workers runs the whole Python generator"
+    ):
         _sharding.warn_once(_sharding.ShardingDecision("data", None, "no files"), 2, "Python generator")
     import warnings
 

@@ -8,11 +8,10 @@ import keras
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
+import tfds_local
 
 import keras_dist
 from keras_dist.data import DatasetCreator, verify_sharding
-
-import tfds_local
 
 
 @pytest.fixture(scope="module")

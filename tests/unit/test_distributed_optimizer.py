@@ -20,7 +20,10 @@ class CountingReduction(tf.distribute.ReductionToOneDevice):
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         reduced = super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
-        shapes = [tuple(tf.distribute.get_strategy().experimental_local_results(v)[0].shape) for v, _ in value_destination_pairs]
+        shapes = [
+            tuple(tf.distribute.get_strategy().experimental_local_results(v)[0].shape)
+            for v, _ in value_destination_pairs
+        ]
         if KERNEL_SHAPE in shapes:
             with tf.control_dependencies(tf.nest.flatten(reduced, expand_composites=True)):
                 self.count.assign_add(1)
@@ -29,7 +32,9 @@ class CountingReduction(tf.distribute.ReductionToOneDevice):
 
 def _model(model_class, optimizer, **kwargs):
     inputs = keras.Input((4,))
-    hidden = keras.layers.Dense(3, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(inputs)
+    hidden = keras.layers.Dense(3, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(
+        inputs
+    )
     model = model_class(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(hidden), **kwargs)
     model.compile(optimizer=optimizer, loss="mse")
     return model
@@ -112,7 +117,9 @@ def _custom_loop(strategy, optimizer, wrap=False, compiled=False):
     x, y = _data(32)
     if compiled:
         inputs = keras.Input((4,))
-        model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=strategy)
+        model = keras_dist.DistributedModel(
+            inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=strategy
+        )
         model.compile(optimizer=optimizer(), loss="mse")
         optimizer = model.optimizer
     else:
@@ -212,7 +219,9 @@ def test_mixed_float16_matches_single_device_while_no_step_overflows(mirrored_1x
     for m in (reference, model):
         m.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=4, shuffle=False, verbose=0)
     assert max_weight_difference(reference, model) < 1e-3
-    assert float(np.asarray(model.optimizer.dynamic_scale)) == float(np.asarray(reference.optimizer.dynamic_scale)) == 64.0
+    assert (
+        float(np.asarray(model.optimizer.dynamic_scale)) == float(np.asarray(reference.optimizer.dynamic_scale)) == 64.0
+    )
 
 
 @pytest.mark.parametrize("constraint", ["non_neg", "max_norm"])
@@ -223,7 +232,9 @@ def test_accumulation_applies_constraints_on_every_micro_batch(multi_replica_str
         inputs = keras.Input((4,))
         constraint_object = keras.constraints.NonNeg() if constraint == "non_neg" else keras.constraints.MaxNorm(0.5)
         hidden = keras.layers.Dense(
-            3, activation="tanh", kernel_constraint=constraint_object,
+            3,
+            activation="tanh",
+            kernel_constraint=constraint_object,
             kernel_initializer=keras.initializers.RandomNormal(seed=1),  # Violates both constraints at first.
         )(inputs)
         output = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(hidden)

@@ -11,7 +11,11 @@ def test_docs_site_builds_strictly(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "api" / "index.html").read_text().count("DistributedModel") > 10
@@ -20,7 +24,9 @@ def test_docs_site_builds_strictly(tmp_path):
 def test_figures_are_drawn_from_the_committed_benchmark_results(tmp_path):
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"), "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "all_reduce_busbw.png").stat().st_size > 10_000

@@ -52,7 +52,9 @@ def _control_flow_model(base):
 
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.first = keras.layers.Dense(4, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))
+            self.first = keras.layers.Dense(
+                4, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1)
+            )
             self.middle = keras.layers.Dense(4, kernel_initializer=keras.initializers.GlorotUniform(seed=3))
             self.last = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))
 
@@ -63,7 +65,9 @@ def _control_flow_model(base):
             # A tensor condition that is the same on every replica (a weight), so one device takes the same branch.
             h = tf.cond(tf.reduce_sum(self.first.kernel) > 0.0, lambda: self.middle(h), lambda: -self.middle(h))
             h = keras.ops.cond(keras.ops.sum(self.first.bias) >= 0.0, lambda: h, lambda: 2.0 * h)
-            _, h = tf.while_loop(lambda i, h: i < tf.shape(x)[1] - 1, lambda i, h: (i + 1, tf.tanh(h)), [tf.constant(0), h])
+            _, h = tf.while_loop(
+                lambda i, h: i < tf.shape(x)[1] - 1, lambda i, h: (i + 1, tf.tanh(h)), [tf.constant(0), h]
+            )
             return self.last(h)
 
     return ControlFlow
@@ -150,8 +154,12 @@ def global_policy():
 
 def _mixed_precision_model(cls, **kwargs):
     inputs = keras.Input((3,))
-    hidden = keras.layers.Dense(8, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(inputs)
-    outputs = keras.layers.Dense(1, dtype="float32", kernel_initializer=keras.initializers.GlorotUniform(seed=2))(hidden)
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=1))(
+        inputs
+    )
+    outputs = keras.layers.Dense(1, dtype="float32", kernel_initializer=keras.initializers.GlorotUniform(seed=2))(
+        hidden
+    )
     return cls(inputs, outputs, **kwargs)
 
 
@@ -227,10 +235,24 @@ def test_loss_scale_state_is_mirrored_saved_and_restored(mirrored_1x3_cpu, globa
     interrupted = _loss_scaled_model(multi_replica_strategy)
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     with pytest.raises(RuntimeError, match="interrupted"):
-        interrupted.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[backup, _InterruptAfterEpoch(1)])
+        interrupted.fit(
+            x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[backup, _InterruptAfterEpoch(1)]
+        )
     resumed = _loss_scaled_model(multi_replica_strategy)
-    resumed.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
-    assert _loss_scale_state(resumed) == _loss_scale_state(straight) == [(32.0,) * num_replicas, (0.0,) * num_replicas, (15.0,) * num_replicas]
+    resumed.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))],
+    )
+    assert (
+        _loss_scale_state(resumed)
+        == _loss_scale_state(straight)
+        == [(32.0,) * num_replicas, (0.0,) * num_replicas, (15.0,) * num_replicas]
+    )
     assert max_weight_difference(resumed, straight) < TOL
 
 
@@ -265,7 +287,9 @@ def _collective_model(style, cls, **kwargs):
         inputs = keras.Input((3,))
         hidden = keras.layers.Dense(4, kernel_initializer=keras.initializers.GlorotUniform(seed=1))(inputs)
         hidden = keras.layers.BatchNormalization(synchronized=True)(hidden)
-        return cls(inputs, keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(hidden), **kwargs)
+        return cls(
+            inputs, keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(hidden), **kwargs
+        )
 
     class Subclassed(cls):
         def __init__(self, **kwargs):
@@ -288,13 +312,17 @@ def test_collective_in_call_builds_and_matches_single_device(request, style, num
     """33 examples in batches of 8: the last batch of 1 leaves replicas empty (synchronized BN included)."""
     x, y = _data(33)
     reference = _collective_model(style, keras.Model)
-    model = _collective_model(style, keras_dist.DistributedModel, strategy=request.getfixturevalue(f"mirrored_1x{num_replicas}_cpu"))
+    model = _collective_model(
+        style, keras_dist.DistributedModel, strategy=request.getfixturevalue(f"mirrored_1x{num_replicas}_cpu")
+    )
     if style == "subclassed":  # Unbuilt until fit: built from the batch spec, in a replica context.
         model.compile(optimizer="sgd", loss="mse")
         model.evaluate(x, y, batch_size=8, verbose=0)
         reference(x[:1])
     assert _fit_pair(reference, model, x, y) < TOL
-    np.testing.assert_allclose(model.evaluate(x, y, batch_size=8, verbose=0), reference.evaluate(x, y, batch_size=8, verbose=0), rtol=TOL)
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=8, verbose=0), reference.evaluate(x, y, batch_size=8, verbose=0), rtol=TOL
+    )
 
 
 def test_collective_in_call_under_one_device_strategy(one_device):
@@ -322,7 +350,9 @@ class ToDense(keras.layers.Layer):
 
 
 def _ragged_model(style, cls, **kwargs):
-    embedding = keras.layers.Embedding(20, 4, mask_zero=True, embeddings_initializer=keras.initializers.RandomUniform(seed=1))
+    embedding = keras.layers.Embedding(
+        20, 4, mask_zero=True, embeddings_initializer=keras.initializers.RandomUniform(seed=1)
+    )
     dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))
     if style == "functional":
         inputs = keras.Input((None,), dtype="int32", ragged=True)
@@ -343,7 +373,9 @@ def _ragged_model(style, cls, **kwargs):
 @pytest.mark.parametrize("style,num_replicas", [("functional", 2), ("subclassed", 3)])
 def test_ragged_batches_train_like_one_device(request, style, num_replicas):
     reference = _ragged_model(style, keras.Model)
-    model = _ragged_model(style, keras_dist.DistributedModel, strategy=request.getfixturevalue(f"mirrored_1x{num_replicas}_cpu"))
+    model = _ragged_model(
+        style, keras_dist.DistributedModel, strategy=request.getfixturevalue(f"mirrored_1x{num_replicas}_cpu")
+    )
     for m in (reference, model):
         m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         m.predict(_ragged_dataset(), verbose=0)  # Builds both.

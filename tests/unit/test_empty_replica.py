@@ -29,9 +29,15 @@ _FAMILIES = {
     "Conv2DTranspose": ((3, 3, 2), lambda: [L.Conv2DTranspose(3, 2, strides=2)]),
     "Conv3DTranspose": ((2, 2, 2, 1), lambda: [L.Conv3DTranspose(2, 2)]),
     "pooling": ((4, 4, 2), lambda: [L.Conv2D(3, 1), L.MaxPooling2D(2), L.AveragePooling2D(1), L.UpSampling2D()]),
-    "pooling_1d_3d": ((4, 2, 2, 2), lambda: [L.MaxPooling3D(2, padding="same"), L.Reshape((2, 2)), L.AveragePooling1D(1)]),
+    "pooling_1d_3d": (
+        (4, 2, 2, 2),
+        lambda: [L.MaxPooling3D(2, padding="same"), L.Reshape((2, 2)), L.AveragePooling1D(1)],
+    ),
     "global_pooling": ((6, 2), lambda: [L.Conv1D(3, 2), L.GlobalMaxPooling1D()]),
-    "conv_batch_norm": ((4, 4, 2), lambda: [L.Conv2D(3, 1), L.BatchNormalization(synchronized=True), L.ReLU(), L.GlobalAveragePooling2D()]),
+    "conv_batch_norm": (
+        (4, 4, 2),
+        lambda: [L.Conv2D(3, 1), L.BatchNormalization(synchronized=True), L.ReLU(), L.GlobalAveragePooling2D()],
+    ),
 }
 
 

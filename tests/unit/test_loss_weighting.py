@@ -135,7 +135,9 @@ def _masked_model(cls, kwargs, vocab=5):
     inputs = keras.Input((None,), dtype="int32")
     hidden = keras.layers.Embedding(vocab, 3, mask_zero=True)(inputs)
     model = cls(inputs, keras.layers.Dense(vocab)(hidden), **kwargs)
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return model
 
 
@@ -278,7 +280,9 @@ def test_user_step_with_a_masked_compute_loss(mirrored_1x2_cpu):
     def build(cls, kwargs):
         model = _masked_model(keras.Model, {})
         model = (plain if cls is keras.Model else distributed)(model.inputs, model.outputs, **kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         return model
 
     x, y = _masked_sequences(11)
@@ -314,7 +318,10 @@ def test_custom_step_losses_global_sums_gradients(mirrored_1x2_cpu):
 
 
 # ------------------------------------------------------------------ known gaps (docs/numerics.md)
-@pytest.mark.xfail(strict=True, reason="Keras multiplies a loss function's one number by the weights' batch mean: no split keeps that product")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Keras multiplies a loss function's one number by the weights' batch mean: no split keeps that product",
+)
 def test_scalar_loss_function_with_sample_weights(mirrored_1x3_cpu):
     x, y = _regression(10)
     build = lambda cls, kwargs: _dense(cls, kwargs, _scalar_mse)  # noqa: E731
@@ -323,11 +330,18 @@ def test_scalar_loss_function_with_sample_weights(mirrored_1x3_cpu):
     _assert_same(reference, model, logs)
 
 
-@pytest.mark.xfail(strict=True, reason="under jit_compile=True per replica, loss terms are weighted by examples, not their own divisors")
+@pytest.mark.xfail(
+    strict=True,
+    reason="under jit_compile=True per replica, loss terms are weighted by examples, not their own divisors",
+)
 def test_masked_loss_under_jit_compile(mirrored_1x2_cpu):
     def build(cls, kwargs):
         model = _masked_model(cls, kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=True,
+        )
         return model
 
     x, y = _masked_sequences(8)

@@ -1,8 +1,8 @@
 """DistributedModel's three styles, variable placement, BatchNorm state and custom steps."""
 
+import keras
 import numpy as np
 import pytest
-import keras
 import tensorflow as tf
 
 import keras_dist
@@ -108,7 +108,9 @@ def test_batchnorm_moving_statistics_identical_on_every_replica(mirrored_1x2_cpu
     path = str(tmp_path / "bn.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
-    np.testing.assert_allclose(loaded.evaluate(x, y, batch_size=8, verbose=0), model.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(
+        loaded.evaluate(x, y, batch_size=8, verbose=0), model.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5
+    )
 
 
 class ReplicaIdModel(keras_dist.DistributedModel):
@@ -275,8 +277,10 @@ def test_freeze_fit_unfreeze_fit_matches_single_device(mirrored_1x2_cpu, wrap_fr
         model = keras.Model(inputs, keras.layers.Dense(1, name="head")(base(inputs)))
         base.trainable = False
         if distributed:
-            model = keras_dist.distribute(model, strategy=mirrored_1x2_cpu) if wrap_frozen else keras_dist.distribute(
-                keras.Model(inputs, model.outputs), strategy=mirrored_1x2_cpu
+            model = (
+                keras_dist.distribute(model, strategy=mirrored_1x2_cpu)
+                if wrap_frozen
+                else keras_dist.distribute(keras.Model(inputs, model.outputs), strategy=mirrored_1x2_cpu)
             )
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)

@@ -19,7 +19,6 @@ from keras_dist.testing import max_weight_difference
 Functional = keras.src.models.functional.Functional
 
 
-
 def _data(num_examples=16, features=3, seed=0):
     rs = np.random.RandomState(seed)
     x = rs.rand(num_examples, features).astype("float32")
@@ -52,7 +51,9 @@ def _fit_pair(make, strategy, *, batch_size=8, epochs=2):
     for m in (reference, model):
         m(x[:1])  # Builds a subclass's layers, to copy the weights.
     model.set_weights(reference.get_weights())
-    logs = [m.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0).history for m in (reference, model)]
+    logs = [
+        m.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0).history for m in (reference, model)
+    ]
     return reference, model, logs
 
 
@@ -90,7 +91,9 @@ def test_subclass_passing_inputs_and_outputs_to_super(mirrored_1x2_cpu):
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
     # Only the instance became functional: the classes stay usable for subclassing.
     assert not issubclass(keras_dist.DistributedModel, Functional)
-    assert not isinstance(_two_parts(keras_dist.DistributedModel)(keras.layers.Dense(1), keras.layers.Dense(1)), Functional)
+    assert not isinstance(
+        _two_parts(keras_dist.DistributedModel)(keras.layers.Dense(1), keras.layers.Dense(1)), Functional
+    )
 
 
 def test_subclass_without_init_stays_functional_from_its_arguments(mirrored_1x2_cpu):
@@ -150,12 +153,15 @@ def _gan_class(base):
 
 def _gan(base, kwargs, *, latent_dim=2, optimizers=None):
     discriminator = keras.Sequential(
-        [keras.Input((3,)), keras.layers.Dense(4), keras.layers.LeakyReLU(0.2), keras.layers.Dense(1)], name="discriminator"
+        [keras.Input((3,)), keras.layers.Dense(4), keras.layers.LeakyReLU(0.2), keras.layers.Dense(1)],
+        name="discriminator",
     )
     generator = keras.Sequential([keras.Input((latent_dim,)), keras.layers.Dense(3)], name="generator")
     gan = _gan_class(base)(discriminator, generator, latent_dim=latent_dim, **kwargs)
     d_optimizer, g_optimizer = optimizers() if optimizers else (keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1))
-    gan.compile(d_optimizer=d_optimizer, g_optimizer=g_optimizer, loss_fn=keras.losses.BinaryCrossentropy(from_logits=True))
+    gan.compile(
+        d_optimizer=d_optimizer, g_optimizer=g_optimizer, loss_fn=keras.losses.BinaryCrossentropy(from_logits=True)
+    )
     return gan
 
 
@@ -214,7 +220,9 @@ def test_gan_logged_losses_match_one_device(mirrored_1x2_cpu):
 def test_gan_with_adam_in_attributes_matches_one_device(mirrored_1x2_cpu, mirrored_1x2_cpu_collective, all_reduce):
     """Adam's slots are created in the first step, on one device inside it, here outside the step function."""
     strategy = mirrored_1x2_cpu if all_reduce == "reduction_to_one_device" else mirrored_1x2_cpu_collective
-    reference, model, _, _ = _fit_gan(strategy, optimizers=lambda: (keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.02)))
+    reference, model, _, _ = _fit_gan(
+        strategy, optimizers=lambda: (keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.02))
+    )
     assert max_weight_difference(reference, model) < 1e-5
     for ref_opt, opt in ((reference.d_optimizer, model.d_optimizer), (reference.g_optimizer, model.g_optimizer)):
         # The paths Keras gives the slots when it builds in the first step (unique-name suffixes aside).
@@ -225,7 +233,9 @@ def test_gan_with_adam_in_attributes_matches_one_device(mirrored_1x2_cpu, mirror
 
 
 @pytest.mark.parametrize("all_reduce", ["reduction_to_one_device", "collective"])
-def test_model_without_call_with_unbuilt_parts_matches_one_device(mirrored_1x2_cpu, mirrored_1x2_cpu_collective, all_reduce):
+def test_model_without_call_with_unbuilt_parts_matches_one_device(
+    mirrored_1x2_cpu, mirrored_1x2_cpu_collective, all_reduce
+):
     """No `call()` and parts without `keras.Input`: built in the first step, as on one device (and Adam with them)."""
     strategy = mirrored_1x2_cpu if all_reduce == "reduction_to_one_device" else mirrored_1x2_cpu_collective
 
@@ -253,8 +263,12 @@ def test_model_without_call_with_unbuilt_parts_matches_one_device(mirrored_1x2_c
     model = make(_with_strategy(strategy))
     for m in (reference, model):
         m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert all(isinstance(v.value, tf.distribute.DistributedValues) for v in [*model.weights, *model.optimizer.variables])
-    assert [re.sub(r"_\d+", "", v.path) for v in model.weights] == [re.sub(r"_\d+", "", v.path) for v in reference.weights]
+    assert all(
+        isinstance(v.value, tf.distribute.DistributedValues) for v in [*model.weights, *model.optimizer.variables]
+    )
+    assert [re.sub(r"_\d+", "", v.path) for v in model.weights] == [
+        re.sub(r"_\d+", "", v.path) for v in reference.weights
+    ]
     assert max_weight_difference(reference, model) < 1e-5
 
 

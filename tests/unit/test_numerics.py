@@ -4,9 +4,9 @@ Reference: a plain `keras.Model` with the same starting weights, data and batch
 order, trained on the default strategy (one device).
 """
 
+import keras
 import numpy as np
 import pytest
-import keras
 
 import keras_dist
 from keras_dist.testing import max_weight_difference
@@ -134,9 +134,7 @@ def test_regularization_loss_counted_once(multi_replica_strategy):
 
     def build(cls, **kwargs):
         inputs = keras.Input((3,))
-        layer = keras.layers.Dense(
-            1, kernel_initializer="ones", kernel_regularizer=keras.regularizers.L2(0.5)
-        )
+        layer = keras.layers.Dense(1, kernel_initializer="ones", kernel_regularizer=keras.regularizers.L2(0.5))
         model = cls(inputs, layer(inputs), **kwargs)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         return model

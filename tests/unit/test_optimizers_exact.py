@@ -17,7 +17,7 @@ import keras_dist
 from keras_dist.collectives._optimizer import accumulation_saved_with_weights
 from keras_dist.testing import max_weight_difference
 
-O = keras.optimizers
+O = keras.optimizers  # noqa: E741 (short for the table below)
 NUM_EXAMPLES, BATCH_SIZE = 37, 8
 
 
@@ -183,13 +183,18 @@ def test_multi_optimizer_step_is_the_one_device_step(multi_replica_strategy):
     """shared r09: one SGD(0.1) step on w=1, x=1, y=0 gives 0.8 on one device (was 0.6 on 2 replicas, 0.4 on 3)."""
     inputs = keras.Input((1,))
     model = keras_dist.DistributedModel(
-        inputs, keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(inputs), strategy=multi_replica_strategy
+        inputs,
+        keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(inputs),
+        strategy=multi_replica_strategy,
     )
     with multi_replica_strategy.scope():
         optimizer = O.MultiOptimizer(O.OptimizerMap(O.SGD(0.1)))
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(np.ones((6, 1), "float32"), np.zeros((6, 1), "float32"), batch_size=6, epochs=1, verbose=0)
-    copies = [float(np.asarray(c).ravel()[0]) for c in multi_replica_strategy.experimental_local_results(model.weights[0].value)]
+    copies = [
+        float(np.asarray(c).ravel()[0])
+        for c in multi_replica_strategy.experimental_local_results(model.weights[0].value)
+    ]
     np.testing.assert_allclose(copies, [0.8] * multi_replica_strategy.num_replicas_in_sync, atol=1e-6)
 
 
@@ -252,6 +257,8 @@ def test_loss_scale_optimizer_dynamic_scaling_matches_one_device(multi_replica_s
     assert np.isfinite(np.concatenate([w.ravel() for w in model.get_weights()])).all()
     assert max_weight_difference(reference, model) < 1e-3
     for name in ("dynamic_scale", "step_counter"):
-        assert float(np.asarray(getattr(model.optimizer, name))) == float(np.asarray(getattr(reference.optimizer, name)))
+        assert float(np.asarray(getattr(model.optimizer, name))) == float(
+            np.asarray(getattr(reference.optimizer, name))
+        )
     assert float(np.asarray(reference.optimizer.dynamic_scale)) != 2.0**6  # The scale did move.
     assert _replica_spread(model) == 0.0

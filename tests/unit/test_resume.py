@@ -17,7 +17,9 @@ Y = X.sum(1, keepdims=True)
 
 def _model(strategy):
     inputs = keras.Input((3,))
-    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=strategy)
+    model = keras_dist.DistributedModel(
+        inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=strategy
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
     return model
 
@@ -119,7 +121,9 @@ def test_resume_mid_cycle_and_uneven_executions_match_an_uninterrupted_run(tmp_p
 
     def model():
         inputs = keras.Input((3,))
-        m = keras_dist.DistributedModel(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=mirrored_1x2_cpu)
+        m = keras_dist.DistributedModel(
+            inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), strategy=mirrored_1x2_cpu
+        )
         optimizer = keras.optimizers.Adam(0.05, gradient_accumulation_steps=2 if kind == "accumulation" else None)
         m.compile(optimizer=optimizer, loss="mse", steps_per_execution=3 if kind == "steps_per_execution" else 1)
         return m
@@ -144,7 +148,12 @@ def test_an_input_of_unknown_length_replays_the_epoch_with_a_warning(tmp_path, m
     backup_dir = str(tmp_path / "backup")
     with pytest.raises(Crash):
         _model(mirrored_1x2_cpu).fit(
-            dataset, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=3), AtStep(13, _raise)]
+            dataset,
+            epochs=3,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=3), AtStep(13, _raise)],
         )
     with pytest.warns(keras_dist.errors.KerasDistWarning, match="the epoch is replayed from its start"):
-        _model(mirrored_1x2_cpu).fit(dataset, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=3)])
+        _model(mirrored_1x2_cpu).fit(
+            dataset, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=3)]
+        )

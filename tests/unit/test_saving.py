@@ -5,8 +5,8 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import keras
+import numpy as np
 import pytest
 
 import keras_dist

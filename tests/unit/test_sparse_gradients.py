@@ -50,7 +50,9 @@ class PositionEmbedding(keras.layers.Layer):
     def __init__(self, length, dim, **kwargs):
         super().__init__(**kwargs)
         self.length = length
-        self.embedding = keras.layers.Embedding(length, dim, embeddings_initializer=keras.initializers.RandomUniform(seed=3))
+        self.embedding = keras.layers.Embedding(
+            length, dim, embeddings_initializer=keras.initializers.RandomUniform(seed=3)
+        )
 
     def call(self, x):
         return x + self.embedding(ops.arange(0, self.length))  # (length, dim), broadcast over the batch.
@@ -135,7 +137,9 @@ def test_token_and_position_embeddings_in_one_model_match_plain_keras(multi_repl
 def test_one_device_equals_plain_keras(jit_compile):
     x, y = _token_data()
     reference = _token_model(keras.Model, OPTIMIZERS["adam"](), jit_compile=jit_compile)
-    model = _token_model(keras_dist.DistributedModel, OPTIMIZERS["adam"](), jit_compile=jit_compile, strategy="one_device")
+    model = _token_model(
+        keras_dist.DistributedModel, OPTIMIZERS["adam"](), jit_compile=jit_compile, strategy="one_device"
+    )
     assert model.jit_compile is jit_compile
     model.set_weights(reference.get_weights())
     for m in (reference, model):
@@ -192,7 +196,9 @@ def test_identical_indices_on_every_replica_are_summed_position_by_position(mirr
 
     def rows_of(replica):
         first = 1.0 + tf.cast(replica, tf.float32)
-        return tf.stack([tf.fill([2], first), tf.fill([2], 10.0), tf.fill([2], 100.0)]), tf.constant([3, 1, 3], tf.int64)
+        return tf.stack([tf.fill([2], first), tf.fill([2], 10.0), tf.fill([2], 100.0)]), tf.constant(
+            [3, 1, 3], tf.int64
+        )
 
     values, indices = _all_reduce_rows(mirrored_1x2_cpu, rows_of, **kwargs)
     assert indices == [3, 1, 3]  # Not merged by index: one device has these three rows.

@@ -9,9 +9,9 @@ replica starts while the step is traced.
 
 import contextlib
 
+import keras
 import numpy as np
 import pytest
-import keras
 import tensorflow as tf
 
 import keras_dist
@@ -132,10 +132,16 @@ def _fit(model, x, y, **compile_kwargs):
         ("own_compute_metrics", 1, 1),  # Overridden compute_metrics: metric sums after apply.
         ("float64_metric", 1, 1),  # A float64 metric variable: the same.
         ("metric_of_ones_own", 1, 1),  # A compiled metric class of one's own (here it reads the weights): the same.
-        ("fp16_compression", 3, 0),  # Compression: the counts first (loss weighting), then the metric state, then float16 gradients.
+        (
+            "fp16_compression",
+            3,
+            0,
+        ),  # Compression: the counts first (loss weighting), then the metric state, then float16 gradients.
     ],
 )
-def test_what_rides_with_the_gradients_matches_one_device(multi_replica_strategy, variant, all_reduces, metrics_after_apply):
+def test_what_rides_with_the_gradients_matches_one_device(
+    multi_replica_strategy, variant, all_reduces, metrics_after_apply
+):
     x, y = _data()
     reference = _build(keras.Model)
     cls = OwnComputeMetrics if variant == "own_compute_metrics" else keras_dist.DistributedModel
@@ -148,7 +154,10 @@ def test_what_rides_with_the_gradients_matches_one_device(multi_replica_strategy
         history = _fit(model, x, y, metrics=metrics)
     replicas = multi_replica_strategy.num_replicas_in_sync
     traces = _traces(model)
-    assert counts == {"all_reduce": all_reduces * replicas * traces, "metrics_after_apply": metrics_after_apply * traces}
+    assert counts == {
+        "all_reduce": all_reduces * replicas * traces,
+        "metrics_after_apply": metrics_after_apply * traces,
+    }
     tol = 2e-3 if variant == "fp16_compression" else TOL
     assert sorted(history) == sorted(expected_history)
     for name, values in expected_history.items():

@@ -7,8 +7,7 @@ import tensorflow as tf
 
 import keras_dist
 from keras_dist._runtime import devices
-from keras_dist.strategy import _plan, _resolve
-from keras_dist.strategy import choose_strategy_name
+from keras_dist.strategy import _plan, _resolve, choose_strategy_name
 
 
 @pytest.mark.parametrize(
@@ -91,7 +90,9 @@ def test_plan_printed_once_per_strategy(monkeypatch, mirrored_1x2_cpu):
 
 def test_cpu_split_after_initialization_says_what_to_move():
     assert devices.simulate_cpu_replicas(4) == [d.name for d in tf.config.list_logical_devices("CPU")]
-    with pytest.raises(RuntimeError, match=r"Cannot split the CPU into 2 replicas: TensorFlow already initialized .* with 4 CPU"):
+    with pytest.raises(
+        RuntimeError, match=r"Cannot split the CPU into 2 replicas: TensorFlow already initialized .* with 4 CPU"
+    ):
         keras_dist.simulate_cpu_replicas(2)
     with pytest.raises(ValueError, match="must be a positive integer. Received: num_replicas=0"):
         keras_dist.simulate_cpu_replicas(0)

@@ -75,7 +75,9 @@ def build(Model, distribute):
     # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs=inputs, outputs=[outputs, x])
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile("adam", loss=[loss_fn, None])  # No loss and optimization based on word embeddings from transformer block
+    model.compile(
+        "adam", loss=[loss_fn, None]
+    )  # No loss and optimization based on word embeddings from transformer block
     return model
 
 

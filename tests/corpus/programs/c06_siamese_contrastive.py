@@ -12,7 +12,7 @@ accuracy; 90 pairs at batch 16 (last batch 10).
 
 import keras
 import numpy as np
-from keras import layers, ops
+from keras import ops
 
 CHANGE = "functional"
 margin = 1  # Margin for contrastive loss.
@@ -37,7 +37,9 @@ def data():
     rs = np.random.RandomState(6)
     x1 = rs.rand(120, 12, 12, 1).astype("float32")
     same = rs.rand(120) < 0.5
-    x2 = np.where(same[:, None, None, None], x1 + 0.1 * rs.randn(120, 12, 12, 1), rs.rand(120, 12, 12, 1)).astype("float32")
+    x2 = np.where(same[:, None, None, None], x1 + 0.1 * rs.randn(120, 12, 12, 1), rs.rand(120, 12, 12, 1)).astype(
+        "float32"
+    )
     labels = same.astype("float32")
     return ([x1[:90], x2[:90]], labels[:90]), ([x1[90:], x2[90:]], labels[90:])
 

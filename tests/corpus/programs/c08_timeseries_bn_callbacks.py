@@ -73,7 +73,9 @@ def train(model, data):
     batch_size = 16  # keras.io: 32
     folder = tempfile.mkdtemp(prefix="corpus_c08_")
     callbacks = [
-        keras.callbacks.ModelCheckpoint(os.path.join(folder, "best_model.keras"), save_best_only=True, monitor="val_loss"),
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(folder, "best_model.keras"), save_best_only=True, monitor="val_loss"
+        ),
         keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1, min_lr=0.0001, min_delta=0.01),
         keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, verbose=0, min_delta=0.01),
     ]

@@ -25,7 +25,10 @@ def data():
     tags_data = rs.randint(2, size=(n, num_tags)).astype("float32")
     priority_targets = rs.random(size=(n, 1)).astype("float32")
     dept_targets = keras.utils.to_categorical(rs.randint(num_departments, size=n), num_departments)
-    return {"title": title_data, "body": body_data, "tags": tags_data}, {"priority": priority_targets, "department": dept_targets}
+    return {"title": title_data, "body": body_data, "tags": tags_data}, {
+        "priority": priority_targets,
+        "department": dept_targets,
+    }
 
 
 def build(Model, distribute):

@@ -50,7 +50,9 @@ def make_recommender_class(Model):
             user_bias = self.user_bias(inputs[:, 0])
             movie_vector = self.movie_embedding(inputs[:, 1])
             movie_bias = self.movie_bias(inputs[:, 1])
-            dot_user_movie = ops.sum(user_vector * movie_vector, axis=1, keepdims=True)  # keras.io: ops.tensordot(..., 2)
+            dot_user_movie = ops.sum(
+                user_vector * movie_vector, axis=1, keepdims=True
+            )  # keras.io: ops.tensordot(..., 2)
             # Add all the components (including bias)
             x = dot_user_movie + user_bias + movie_bias
             # The sigmoid activation forces the rating to between 0 and 1

@@ -57,8 +57,12 @@ def preprocessing(data):
     text_vectorizer = layers.TextVectorization(max_tokens=vocabulary_size, ngrams=2, output_mode="tf_idf")
     text_vectorizer.adapt(train_dataset.map(lambda text, label: text))
     auto = tf.data.AUTOTUNE
-    train_dataset = train_dataset.map(lambda text, label: (text_vectorizer(text), label), num_parallel_calls=auto).prefetch(auto)
-    test_dataset = test_dataset.map(lambda text, label: (text_vectorizer(text), label), num_parallel_calls=auto).prefetch(auto)
+    train_dataset = train_dataset.map(
+        lambda text, label: (text_vectorizer(text), label), num_parallel_calls=auto
+    ).prefetch(auto)
+    test_dataset = test_dataset.map(
+        lambda text, label: (text_vectorizer(text), label), num_parallel_calls=auto
+    ).prefetch(auto)
     return lookup, text_vectorizer, train_dataset, test_dataset
 
 
@@ -77,7 +81,9 @@ def build(Model, distribute):
         return shallow_mlp_model
 
     shallow_mlp_model = make_model()
-    shallow_mlp_model = distribute(shallow_mlp_model)  # keras_dist: the one line a user adds (the identity on one device)
+    shallow_mlp_model = distribute(
+        shallow_mlp_model
+    )  # keras_dist: the one line a user adds (the identity on one device)
     shallow_mlp_model.compile(loss="binary_crossentropy", optimizer="adam", metrics=["binary_accuracy"])
     return shallow_mlp_model
 

@@ -56,7 +56,9 @@ class PositionEmbedding(layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"sequence_length": self.sequence_length, "initializer": keras.initializers.serialize(self.initializer)})
+        config.update(
+            {"sequence_length": self.sequence_length, "initializer": keras.initializers.serialize(self.initializer)}
+        )
         return config
 
 
@@ -225,7 +227,11 @@ class TinyBertTextClassifier(keras.Model):
         self.dropout = dropout
 
     def get_config(self):
-        return {"backbone": keras.layers.serialize(self.backbone), "num_classes": self.num_classes, "dropout": self.dropout}
+        return {
+            "backbone": keras.layers.serialize(self.backbone),
+            "num_classes": self.num_classes,
+            "dropout": self.dropout,
+        }
 
 
 def data():

@@ -36,7 +36,9 @@ def build(Model, distribute):
     # keras_dist: keras.Model(...) -> keras_dist.DistributedModel(...) (`Model` is either)
     model = Model(inputs, outputs)
     lr_schedule = keras.optimizers.schedules.ExponentialDecay(initial_learning_rate=1e-2, decay_steps=4, decay_rate=0.9)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=lr_schedule, momentum=0.9), loss=custom_loss, metrics=["mae"])
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=lr_schedule, momentum=0.9), loss=custom_loss, metrics=["mae"]
+    )
     return model
 
 
