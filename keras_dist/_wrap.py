@@ -48,7 +48,7 @@ def distribute(model, *, strategy="auto", communication=None, auto_shard_policy=
     """
     options = {"communication": communication, "auto_shard_policy": auto_shard_policy}
     if isinstance(model, DistributedModel):
-        model._distribute_strategy = _resolve.resolve_strategy(strategy)
+        ki.set_distribute_strategy(model, _resolve.resolve_strategy(strategy))
         model.communication = collectives.CommunicationOptions.from_value(communication)
         model.auto_shard_policy = validate_auto_shard_policy(auto_shard_policy)
         model.train_function = None

@@ -1,21 +1,28 @@
 """The registry of Keras 3 (TensorFlow backend) bugs that keras-dist works around.
 
-Each `Fix` names the versions it applies to. A fix is active when the installed
-version is inside `affected` and the fix is not disabled (the tests disable
-fixes to show the bug each one prevents). The remedies themselves are small
-overrides in `keras_dist.DistributedModel` and `keras_dist._runtime`, taken only
-when `is_active(name)` is true.
+Each `Fix` names the versions on which its bug was reproduced and its remedy
+verified (`verified`: a closed range, grown only as more versions are checked,
+issue 12). A fix is active when the installed version is inside `verified`, or
+the user forces it (`KERAS_DIST_FORCE_FIXES`), and it is not disabled (the
+tests disable fixes to show the bug each one prevents). Outside its range a fix
+is off: keras-dist then runs Keras' own code path, and warns once, at import,
+naming the fixes that are off and how to force them. The remedies themselves
+are small overrides in `keras_dist.DistributedModel` and `keras_dist._runtime`,
+taken only when `is_active(name)` is true.
 """
 
 import contextlib
 import dataclasses
 import os
+import warnings
 
 from packaging.specifiers import SpecifierSet
 
-from keras_dist._compat.versions import INSTALLED
+from keras_dist import errors
+from keras_dist._compat import versions
 
-DISABLE_ENV = "KERAS_DIST_DISABLE_FIXES"
+DISABLE_ENV = "KERAS_DIST_DISABLE_FIXES"  # Comma-separated names: these fixes are off.
+FORCE_ENV = "KERAS_DIST_FORCE_FIXES"  # `all`, or comma-separated names: on even outside their verified range.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +32,9 @@ class Fix:
     Args:
         name: String, the fix's identifier (also `tests/compat/test_<name>.py`).
         package: String, `"keras"` or `"tensorflow"`: whose version gates it.
-        affected: String `SpecifierSet`, the versions that have the bug.
+        verified: String `SpecifierSet`, the versions of `package` on which the
+            bug was reproduced and the remedy verified (closed: `">=3.15,<3.16"`).
+            The fix is off on any other version unless forced.
         upstream: String, the upstream issue or pull request.
         symptom: One sentence on what breaks for users without the fix.
         remedy: One sentence on what keras-dist does instead.
@@ -34,18 +43,24 @@ class Fix:
 
     name: str
     package: str
-    affected: str
+    verified: str
     upstream: str
     symptom: str
     remedy: str
     remove_when: str
 
+    @property
+    def affected(self):
+        """The versions known to have the bug: those verified (an alias of `verified`)."""
+        return self.verified
+
     def applies_to_installed(self):
-        """Returns whether the installed `package` version is in `affected`."""
-        return INSTALLED[self.package] in SpecifierSet(self.affected)
+        """Returns whether the installed `package` version is in `verified`."""
+        return versions.INSTALLED[self.package] in SpecifierSet(self.verified)
 
 
 _OPEN = "no upstream fix as of Keras 3.15.1; remove when a fixed release is the minimum supported"
+_OPEN_TF = "no upstream fix as of TensorFlow 2.21.0; remove when a fixed release is the minimum supported"
 
 FIXES = {
     fix.name: fix
@@ -53,7 +68,7 @@ FIXES = {
         Fix(
             name="example_weighted_loss",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/issues/15509 (also tensorflow/tensorflow#45594)",
             symptom="Under a strategy Keras divides each replica's loss by num_replicas_in_sync: an uneven split "
             "(the last batch), a masked loss (each replica's own token mean), a 'sum' or sample-weight-mean "
@@ -68,7 +83,7 @@ FIXES = {
         Fix(
             name="custom_step_example_weighting",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://keras.io/guides/custom_train_step_in_tensorflow/ (written for one device; no upstream report found)",
             symptom="A train_step written for one device (keras.io: its own ops.mean loss or self.compute_loss, "
             "apply_gradients, Mean loss trackers) takes num_replicas_in_sync times the one-device step, "
@@ -81,7 +96,7 @@ FIXES = {
         Fix(
             name="symbolic_build_from_spec",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/issues/20585 (also tensorflow/tensorflow#58809)",
             symptom="fit/evaluate build the model by taking a batch from the user's distributed "
             "iterator and reducing it across replicas, which fails when the first batch is smaller "
@@ -92,7 +107,7 @@ FIXES = {
         Fix(
             name="build_in_replica_context",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (_maybe_symbolic_build under strategy.scope(); no upstream report found)",
             symptom="fit/evaluate/predict build the model by tracing call under strategy.scope() (cross-replica "
             "context), so a layer that calls a collective in call (tf.distribute.get_replica_context().all_reduce, "
@@ -105,7 +120,7 @@ FIXES = {
         Fix(
             name="ragged_symbolic_build",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/trainers/trainer.py (_symbolic_build: to_symbolic_input makes every spec a dense KerasTensor; no upstream report found)",
             symptom="Under a strategy, fit/evaluate/predict on ragged batches (ragged_batch) build the model by "
             "calling it on a dense placeholder, so a call that handles the tf.RaggedTensor it will get "
@@ -117,7 +132,7 @@ FIXES = {
         Fix(
             name="build_without_call",
             package="keras",
-            affected=">=3.15,<3.16",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (_maybe_symbolic_build: only under a strategy; one device defers; no upstream report found)",
             symptom="Under a strategy, fit/evaluate build the model by calling it, so a model without `call()` "
             "that trains only through its own train_step (the keras.io GAN) fails before training: 'Unable to "
@@ -131,7 +146,7 @@ FIXES = {
         Fix(
             name="optimizer_built_in_step",
             package="keras",
-            affected=">=3.15,<3.16",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (apply builds the optimizer lazily; no upstream report found)",
             symptom="Under a multi-replica strategy, an optimizer first applied inside a train_step (a GAN's "
             "`d_optimizer`, set in its own compile) creates its variables inside the step function, and the "
@@ -144,7 +159,7 @@ FIXES = {
         Fix(
             name="cross_replica_metrics",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/issues/18667",
             symptom="Metric results are computed per replica from local state and then averaged, "
             "so uneven batches give logged metrics that differ from single-device values.",
@@ -155,7 +170,7 @@ FIXES = {
         Fix(
             name="mirrored_layer_state",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/issues/18667 (also keras-team/keras#14372)",
             symptom="Non-trainable layer state (BatchNormalization moving mean/variance) is mirrored "
             "with aggregation NONE, so every replica keeps its own diverging copy.",
@@ -166,7 +181,7 @@ FIXES = {
         Fix(
             name="distribute_reduction_method",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/pull/16664 (tf.keras); keras-team/keras#15509",
             symptom="Reading `model.distribute_reduction_method` raises AttributeError, and setting "
             "it has no effect: step outputs are always averaged over replicas.",
@@ -177,7 +192,7 @@ FIXES = {
         Fix(
             name="optimizer_strategy",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/issues/17187 (also keras-team/keras#20045)",
             symptom="An optimizer constructed outside strategy.scope() keeps the default strategy "
             "and fails with 'Mixing different tf.distribute.Strategy objects'.",
@@ -187,7 +202,7 @@ FIXES = {
         Fix(
             name="jit_compile_mirrored",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/issues/19005 (also keras-team/keras#18145)",
             symptom="compile(jit_compile=True) under a multi-replica strategy crashes in the first "
             "step: Keras compiles the whole step, every replica and the all-reduce, as one XLA cluster.",
@@ -198,7 +213,7 @@ FIXES = {
         Fix(
             name="replica_seed_state",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/issues/18667 (seed state mirrored like any variable)",
             symptom="A SeedGenerator's state is mirrored identically, so every replica draws the same "
             "random numbers: Dropout drops the same units on every replica's different examples.",
@@ -209,7 +224,7 @@ FIXES = {
         Fix(
             name="predict_on_batch_split",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (predict_on_batch; no upstream report found)",
             symptom="predict_on_batch under a multi-replica strategy runs the whole batch on every "
             "replica and concatenates, returning num_replicas_in_sync times too many rows.",
@@ -220,7 +235,7 @@ FIXES = {
         Fix(
             name="generator_batch_copies",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/trainers/data_adapters/generator_data_adapter.py (peek_and_restore; no upstream report found)",
             symptom="A Python generator that yields views of a buffer it refills loses and repeats "
             "examples: Keras keeps the first batches it peeks at (to learn shapes) by reference, and "
@@ -231,7 +246,7 @@ FIXES = {
         Fix(
             name="empty_replica_batch_norm",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/layers/normalization/batch_normalization.py (_moments of an empty batch; tensorflow/tensorflow#58809)",
             symptom="When a partial global batch leaves a replica without examples, BatchNormalization "
             "computes the moments of an empty batch (NaN), and the moving statistics, gamma and beta "
@@ -244,7 +259,7 @@ FIXES = {
         Fix(
             name="sum_gradients_before_apply",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (apply: _clip_gradients before _backend_update_step's all-reduce)",
             symptom="Under a multi-replica strategy the optimizer decides on each replica's share of the "
             "gradient before the gradients are summed: clipnorm, clipvalue and global_clipnorm clip "
@@ -259,7 +274,7 @@ FIXES = {
         Fix(
             name="exhausted_input_iteration_count",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (one_step_on_iterator: the epoch's last call fails in get_next)",
             symptom="When an epoch ends because the input ran out (a dataset of unknown length, e.g. after filter), "
             "Keras calls the train function once more; it fails for lack of data, but TensorFlow has already run "
@@ -272,7 +287,7 @@ FIXES = {
         Fix(
             name="gradient_accumulation_under_strategy",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/issues/17429 (also keras-team/tf-keras#107)",
             symptom="With an optimizer's gradient_accumulation_steps under a multi-replica strategy, "
             "the first step fails ('Exception encountered when calling Cond.call()'): optimizer.apply "
@@ -287,7 +302,7 @@ FIXES = {
         Fix(
             name="ema_overwrite_under_strategy",
             package="keras",
-            affected=">=3.15,<3.16",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (_backend_apply_gradients: ops.cond around _overwrite_model_variables_with_average_value; no upstream report found)",
             symptom="An optimizer with use_ema=True and ema_overwrite_frequency under a multi-replica strategy fails "
             "in the first step ('merge_call called while defining a new graph', in Cond.call()): apply overwrites "
@@ -299,7 +314,7 @@ FIXES = {
         Fix(
             name="multi_worker_output_reduction",
             package="keras",
-            affected=">=3.0",
+            verified=">=3.15,<3.16",
             upstream="https://github.com/keras-team/keras/issues/20585 (follow-up: scalar step outputs reduced with axis=0)",
             symptom="Under MultiWorkerMirroredStrategy, fit/evaluate reduce every step output with "
             "strategy.reduce('MEAN', value, axis=0), which fails on scalar metrics ('Invalid reduction "
@@ -311,7 +326,7 @@ FIXES = {
         Fix(
             name="empty_batch_convolution",
             package="tensorflow",
-            affected=">=2.21,<2.22",
+            verified=">=2.21,<2.22",
             upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/kernels/depthwise_conv_grad_op.cc (zero-size batches; also the oneDNN conv kernels, tensorflow/core/kernels/mkl/; no upstream report found)",
             symptom="A replica whose share of a (last, partial) batch is empty breaks CPU convolutions: with oneDNN on "
             "some CPUs a Conv on 0 examples returns the input's channel count and the next layer fails ('input depth "
@@ -320,55 +335,55 @@ FIXES = {
             remedy="Under a multi-replica strategy Keras' TensorFlow conv, depthwise, separable and transposed "
             "convolutions run an empty batch as one example of zeros and keep none of its rows: the right output "
             "shape and exactly zero gradients, what a replica without examples contributes.",
-            remove_when="no upstream fix as of TensorFlow 2.21.0; remove when a fixed release is the minimum supported",
+            remove_when=_OPEN_TF,
         ),
         Fix(
             name="sigterm_default_action",
             package="tensorflow",
-            affected=">=2.0",
+            verified=">=2.21,<2.22",
             upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/third_party/xla/xla/tsl/distributed_runtime/preemption/preemption_notifier.cc (SigtermNotifier)",
             symptom="Once a worker joins a multi-worker cluster, TensorFlow's preemption notifier catches "
             "SIGTERM and the process keeps training, so `kill`, Kubernetes and SLURM cannot stop it "
             "gracefully and the launcher must wait for its grace period and SIGKILL.",
             remedy="After joining, SIGTERM gets its default action back (terminate) unless the script "
             "installed its own Python handler.",
-            remove_when=_OPEN,
+            remove_when=_OPEN_TF,
         ),
         Fix(
             name="multi_worker_steps_per_execution",
             package="tensorflow",
-            affected=">=2.0",
+            verified=">=2.21,<2.22",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (multi_step_on_iterator; no upstream report found)",
             symptom="With steps_per_execution > 1 under MultiWorkerMirroredStrategy, Keras runs the "
             "step inside tf.cond inside tf.while_loop and TensorFlow fails on the collective ops "
             "there: 'You must feed a value for placeholder tensor .../while/cond/Placeholder'.",
             remedy="Under a multi-worker strategy compile uses steps_per_execution=1 and warns "
             "(the numbers are the same; only per-step overhead grows).",
-            remove_when=_OPEN,
+            remove_when=_OPEN_TF,
         ),
         Fix(
             name="file_sharding_cache",
             package="tensorflow",
-            affected=">=2.0",
+            verified=">=2.21,<2.22",
             upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/grappler/optimizers/data/auto_shard.cc (FILE rewrite keeps the cache resource; no upstream report found)",
             symptom="Under FILE auto-sharding, a pipeline with a cache() after its file readers (in memory, "
             "as TFDS adds to small datasets, or in a file) that was filled before being distributed gives "
             "every worker every example: the rewrite shards the file names but the filled cache is read.",
             remedy="keras-dist shards such pipelines by DATA (sharded after the cache) and warns once, "
             "naming the ways to keep FILE sharding.",
-            remove_when=_OPEN,
+            remove_when=_OPEN_TF,
         ),
         Fix(
             name="slurm_cpu_nodes",
             package="tensorflow",
-            affected=">=2.0",
+            verified=">=2.21,<2.22",
             upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/python/distribute/cluster_resolver/slurm_cluster_resolver.py (get_num_gpus, cluster_spec)",
             symptom="SlurmClusterResolver on nodes without GPUs fails: it runs nvidia-smi "
             "(FileNotFoundError), and with gpus_per_node=0 divides GPUs among tasks with a range step "
             "of 0 (ValueError).",
             remedy="On nodes without GPUs keras-dist gives the resolver one placeholder GPU slot per "
             "task and tells it not to set CUDA_VISIBLE_DEVICES; the cluster spec is unchanged.",
-            remove_when=_OPEN,
+            remove_when=_OPEN_TF,
         ),
     ]
 }
@@ -376,20 +391,62 @@ FIXES = {
 _disabled = set()
 
 
+def _names_in_env(variable):
+    return {n.strip() for n in os.environ.get(variable, "").split(",") if n.strip()}
+
+
+def is_forced(name):
+    """Returns whether `KERAS_DIST_FORCE_FIXES` turns fix `name` on outside its verified range."""
+    forced = _names_in_env(FORCE_ENV)
+    return "all" in forced or name in forced
+
+
 def is_active(name):
-    """Returns whether fix `name` applies to the installed versions and is enabled.
+    """Returns whether fix `name` is on: verified for (or forced on) the installed versions, and not disabled.
 
     Raises:
         KeyError: `name` is not a registered fix.
     """
     fix = FIXES[name]
-    env_disabled = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
-    return fix.applies_to_installed() and name not in _disabled and name not in env_disabled
+    in_range = fix.applies_to_installed() or is_forced(name)
+    return in_range and name not in _disabled and name not in _names_in_env(DISABLE_ENV)
 
 
 def active_fixes():
     """Returns the list of `Fix` entries active for the installed versions."""
     return [fix for name, fix in FIXES.items() if is_active(name)]
+
+
+def unverified_fixes():
+    """Returns the `Fix` entries off because the installed version is outside their verified range (and not forced)."""
+    return [fix for name, fix in FIXES.items() if not fix.applies_to_installed() and not is_forced(name)]
+
+
+_warned = False
+
+
+def warn_if_unverified():
+    """Warns once per process when fixes are off because the installed Keras or TensorFlow is unverified.
+
+    Called at `import keras_dist` (through `keras_dist._compat`). Silent on the
+    verified versions, and after the first call.
+    """
+    global _warned
+    off = unverified_fixes()
+    if _warned or not off:
+        return
+    _warned = True
+    installed = ", ".join(f"{package} {version}" for package, version in sorted(versions.INSTALLED.items()))
+    ranges = ", ".join(sorted({f"{fix.package} {fix.verified}" for fix in off}))
+    warnings.warn(
+        f"keras-dist's compatibility fixes were verified on {ranges}; installed: {installed}. "
+        f"{len(off)} of them are off on this version, so those cases run Keras' own code path, which may not "
+        f"match one device (docs/compat.md): {', '.join(fix.name for fix in off)}. Fix: install a verified "
+        f"version (pyproject.toml), or turn them on anyway with {FORCE_ENV}=all (or a comma-separated list of "
+        "fix names) and check your numbers against one device.",
+        errors.KerasDistWarning,
+        stacklevel=2,
+    )
 
 
 @contextlib.contextmanager

@@ -1,11 +1,14 @@
 """The private Keras 3 internals keras-dist relies on, imported in one place.
 
-Each name here is used by layer 1 through this module only, so a Keras release
-that moves one breaks exactly one import, found by `tests/unit/test_runtime.py`.
+Layers 1 and 2 reach each of these names through this module only, so a Keras
+release that moves or renames one breaks this file alone, and
+`tests/unit/test_runtime.py` (which resolves every name here against the
+installed Keras) says which.
 """
 
 import contextlib
 
+import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
@@ -34,6 +37,11 @@ __all__ = [
     "optimizer_strategy",
     "optimizers_within",
     "overwrites_with_moving_average",
+    "raw_iterations",
+    "uses_learning_rate_schedule",
+    "is_graph_network",
+    "set_distribute_strategy",
+    "tf_functions_behind",
 ]
 
 
@@ -226,3 +234,90 @@ def apply_once_in_cross_replica_context(optimizer, gradients, variables, keras_a
                 keras_apply(optimizer, first, variables)
 
     context.merge_call(apply, args=(gradients,))
+
+
+# ---- Private attributes read or written by layers 1 and 2 (callbacks, data, `distribute`).
+
+
+def raw_iterations(optimizer):
+    """Returns the variable that counts every `apply` of `optimizer`'s innermost optimizer.
+
+    Private API: Keras' `BaseOptimizer._iterations`. The public `iterations`
+    divides it by `gradient_accumulation_steps`, and a `LossScaleOptimizer`
+    delegates to its inner optimizer's; keras-dist counts training steps
+    (micro-batches under accumulation) and must set the counter back
+    (`exhausted_input_iteration_count`), so it needs the variable itself.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`, possibly wrapped.
+
+    Returns:
+        The int64 scalar `keras.Variable` (read it with `keras.ops.convert_to_numpy`,
+        write it with `.assign`).
+    """
+    return optimizer_chain(optimizer)[-1]._iterations
+
+
+def uses_learning_rate_schedule(optimizer):
+    """True when `optimizer` was given a `keras.optimizers.schedules.LearningRateSchedule`.
+
+    Private API: Keras keeps the schedule in `BaseOptimizer._learning_rate`;
+    the public `learning_rate` returns the schedule's current value, so it
+    cannot tell a schedule from a fixed rate.
+    """
+    return isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule)
+
+
+def is_graph_network(model):
+    """Returns `model._is_graph_network`, `True` when the model has no such attribute.
+
+    Private API: tf.keras' flag for a functional graph. Keras 3 does not set
+    it, so every Keras 3 model counts as a graph network here unless it sets
+    the attribute itself (kept for such models; their input ranks are not
+    trusted to tell batched datasets from unbatched ones).
+    """
+    return getattr(model, "_is_graph_network", True)
+
+
+def set_distribute_strategy(model, strategy):
+    """Makes `strategy` the `tf.distribute.Strategy` that `model`'s `fit`/`evaluate`/`predict` run under.
+
+    Private API: Keras' TensorFlow trainer keeps it in `_distribute_strategy`
+    (its `distribute_strategy` property has no setter); `keras_dist.distribute`
+    moves an existing `DistributedModel` to another strategy.
+    """
+    model._distribute_strategy = strategy
+
+
+def tf_functions_behind(function, depth=3):
+    """Returns the `tf.function`s that `function` is or closes over (a few levels deep), each once.
+
+    Keras 3 internals: its TensorFlow trainer wraps the `tf.function`s of
+    `model.train_function` (and test, predict) in plain Python closures, so
+    their tracing counts are found in the closures' cells (`__closure__`) and
+    in `__wrapped__`, not through a public attribute.
+
+    Args:
+        function: A callable (e.g. `model.train_function`), or `None`.
+        depth: Integer, how many closure levels to search.
+
+    Returns:
+        List of `tf.function` objects (empty for `None`).
+    """
+    found, seen, pending = [], set(), [(function, 0)]
+    while pending:
+        candidate, level = pending.pop()
+        if candidate is None or id(candidate) in seen:
+            continue
+        seen.add(id(candidate))
+        if hasattr(candidate, "experimental_get_tracing_count"):
+            found.append(candidate)
+            continue
+        if level < depth:
+            for cell in getattr(candidate, "__closure__", None) or ():
+                try:
+                    pending.append((cell.cell_contents, level + 1))
+                except ValueError:  # An empty cell.
+                    pass
+            pending.append((getattr(candidate, "__wrapped__", None), level + 1))
+    return found

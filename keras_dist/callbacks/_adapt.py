@@ -10,6 +10,7 @@ worker stops every worker at the same boundary.
 import keras
 
 from keras_dist import _compat
+from keras_dist._runtime import backup_and_restore as keras_backup
 from keras_dist._runtime import keras_internals as ki
 from keras_dist.callbacks import _resume as resume
 from keras_dist.strategy import _plan
@@ -87,10 +88,10 @@ class ExactIterationCount(keras.callbacks.Callback):
             return
         expected = self._begin + self._steps
         if self._count() > expected:
-            ki.optimizer_chain(self.model.optimizer)[-1]._iterations.assign(expected)
+            ki.raw_iterations(self.model.optimizer).assign(expected)
 
     def _count(self):
-        return int(keras.ops.convert_to_numpy(ki.optimizer_chain(self.model.optimizer)[-1]._iterations))
+        return int(keras.ops.convert_to_numpy(ki.raw_iterations(self.model.optimizer)))
 
 
 def _may_stop_alone(callback):
@@ -155,6 +156,6 @@ class AgreeOnStop(keras.callbacks.Callback):
         if preempt and self.backups and not self.preempted:
             self.preempted = True
             for backup in self.backups:
-                backup.keras_dist_save_for_preemption(self._steps_this_epoch)
+                keras_backup.save_for_preemption(backup, self._steps_this_epoch)
             stop = True
         self.model.stop_training = stop

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 
 from keras_dist import errors
+from keras_dist._runtime import keras_internals
 
 _now = time.perf_counter  # Seconds; a name of its own so that tests can substitute a clock.
 
@@ -221,22 +222,5 @@ class RetracingMonitor(keras.callbacks.Callback):
         )
 
 
-def _tf_functions_in(function, depth=3):
-    """Returns the `tf.function`s `function` is or closes over (a few levels deep), each once."""
-    found, seen, pending = [], set(), [(function, 0)]
-    while pending:
-        candidate, level = pending.pop()
-        if candidate is None or id(candidate) in seen:
-            continue
-        seen.add(id(candidate))
-        if hasattr(candidate, "experimental_get_tracing_count"):
-            found.append(candidate)
-            continue
-        if level < depth:
-            for cell in getattr(candidate, "__closure__", None) or ():
-                try:
-                    pending.append((cell.cell_contents, level + 1))
-                except ValueError:  # An empty cell.
-                    pass
-            pending.append((getattr(candidate, "__wrapped__", None), level + 1))
-    return found
+# The `tf.function`s behind a Keras train/test/predict function (`tests` use this name).
+_tf_functions_in = keras_internals.tf_functions_behind

@@ -19,6 +19,8 @@ import tensorflow as tf
 
 from keras_dist import errors
 from keras_dist._process import RESTART_EXIT_STATUS as RESTART_EXIT_STATUS  # noqa: E402 (75, EX_TEMPFAIL; re-exported)
+from keras_dist._runtime import backup_and_restore as keras_backup
+from keras_dist._runtime import distribute_dataset as runtime_distribute_dataset
 from keras_dist.strategy import _plan
 
 STEPS_KEY = "keras_dist_steps_done_in_epoch"
@@ -61,7 +63,7 @@ def backups_in(callbacks):
 
 def steps_done_in_epoch(backup):
     """Returns how many steps of its epoch the last backup of `backup` had done (0 at an epoch end)."""
-    path = backup._training_metadata_path
+    path = keras_backup.metadata_path(backup)
     if not tf.io.gfile.exists(path):
         return 0
     with tf.io.gfile.GFile(path) as f:
@@ -114,7 +116,9 @@ def skipping_resumed_steps(model, point, can_skip):
     """Skips the first `steps` batches of the training input's first iteration while `fit` runs.
 
     The training input is the first one `fit` hands to
-    `strategy.experimental_distribute_dataset`; its first iterator is
+    `strategy.experimental_distribute_dataset` (seen through a hook of
+    `keras_dist._runtime.distribute_dataset`, after `keras_dist.data`'s
+    routing when that is installed); its first iterator is
     advanced by `steps` batches (on every worker alike), so the resumed epoch
     runs only the steps the backup had not done. Keras then finds the epoch
     short and warns that the input "ran out of data"; that warning is
@@ -124,11 +128,9 @@ def skipping_resumed_steps(model, point, can_skip):
         yield
         return
     strategy = model.distribute_strategy
-    current = strategy.experimental_distribute_dataset  # May be keras_dist.data's routing.
-    had_instance_attribute = "experimental_distribute_dataset" in strategy.__dict__
 
-    def distribute(dataset, options=None):
-        distributed = current(dataset, options=options)
+    def distribute(dataset, options, distribute_next):
+        distributed = distribute_next(dataset, options=options)  # May be keras_dist.data's routing.
         if point.skipped is None:  # The first input fit distributes is the training input.
             if can_skip:
                 point.skipped = point.steps
@@ -146,18 +148,13 @@ def skipping_resumed_steps(model, point, can_skip):
                 )
         return distributed
 
-    strategy.experimental_distribute_dataset = distribute
     try:
-        with warnings.catch_warnings():
+        with runtime_distribute_dataset.hooking(strategy, distribute), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_RAN_OUT_OF_DATA)
             yield
     finally:
         if point.skipped is None:
             point.skipped = 0
-        if had_instance_attribute:
-            strategy.experimental_distribute_dataset = current
-        else:
-            del strategy.experimental_distribute_dataset
 
 
 class _SkipOnFirstIteration:
@@ -218,24 +215,21 @@ def make_resumable(backup, agreement, point):
             epoch, steps = epoch + 1, 0  # A finished epoch: resume at the next one's start.
         if _plan.is_chief(agreement.strategy) and not tf.io.gfile.exists(backup.backup_dir):
             tf.io.gfile.makedirs(backup.backup_dir)
-        backup.model.save_weights(filepath=backup._weights_path, overwrite=True)
+        backup.model.save_weights(filepath=keras_backup.weights_path(backup), overwrite=True)
         metadata = {"epoch": epoch, "batch": max(steps - 1, 0), STEPS_KEY: steps}
 
         def write_metadata(path):
             with tf.io.gfile.GFile(path, "w") as f:
                 f.write(json.dumps(metadata))
 
-        agreement.chief_writes(write_metadata, backup._training_metadata_path)
+        agreement.chief_writes(write_metadata, keras_backup.metadata_path(backup))
 
     def save_model():  # Keras calls this at epoch ends (save_freq="epoch") and every `save_freq` batches.
-        save(0 if state["at_epoch_end"] else backup._last_batch_seen + 1)
+        save(0 if state["at_epoch_end"] else keras_backup.last_batch_seen(backup) + 1)
 
     # Keras' own methods, kept from the first time: the same callback passed to another `fit` is
     # wrapped again around them, not around the previous wrappers.
-    keras_methods = backup.__dict__.setdefault(
-        "_keras_dist_keras_methods",
-        {name: getattr(backup, name) for name in ("on_epoch_begin", "on_epoch_end", "on_train_end")},
-    )
+    keras_methods = keras_backup.keras_methods(backup)
     keras_epoch_begin = keras_methods["on_epoch_begin"]
     keras_epoch_end, keras_train_end = keras_methods["on_epoch_end"], keras_methods["on_train_end"]
 
@@ -261,8 +255,11 @@ def make_resumable(backup, agreement, point):
         save(steps_this_run)
         state["frozen"] = True
 
-    backup._save_model = save_model
-    backup.on_epoch_begin = on_epoch_begin
-    backup.on_epoch_end = on_epoch_end
-    backup.on_train_end = on_train_end
-    backup.keras_dist_save_for_preemption = save_for_preemption
+    keras_backup.replace_methods(
+        backup,
+        save_model=save_model,
+        on_epoch_begin=on_epoch_begin,
+        on_epoch_end=on_epoch_end,
+        on_train_end=on_train_end,
+        save_for_preemption=save_for_preemption,
+    )

@@ -4,6 +4,8 @@ import math
 
 import keras
 
+from keras_dist._runtime import keras_internals
+
 
 class LearningRateWarmup(keras.callbacks.Callback):
     """Raises the learning rate linearly, every step, to the rate scaled for the global batch.
@@ -74,7 +76,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         optimizer = self.model.optimizer
-        if isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule):
+        if keras_internals.uses_learning_rate_schedule(optimizer):
             raise ValueError(
                 "LearningRateWarmup sets the optimizer's learning rate each step, which a "
                 "LearningRateSchedule does not allow. Received: a schedule. Fix: compile with a float "
@@ -155,10 +157,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
 def _optimizer_step(model):
     """Training steps taken: the optimizer's raw counter (micro-batches under gradient accumulation)."""
-    from keras_dist._runtime import keras_internals
-
-    innermost = keras_internals.optimizer_chain(model.optimizer)[-1]
-    return int(keras.ops.convert_to_numpy(innermost._iterations))
+    return int(keras.ops.convert_to_numpy(keras_internals.raw_iterations(model.optimizer)))
 
 
 def _is_chief(model):

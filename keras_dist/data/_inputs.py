@@ -17,6 +17,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _compat
+from keras_dist._runtime import distribute_dataset as runtime_distribute_dataset
+from keras_dist._runtime import keras_internals
 from keras_dist.data import _creator, _distribute
 
 
@@ -79,7 +81,7 @@ def _batch_if_unbatched(dataset, model, batch_size, num_replicas, batch_size_arg
 
 def _input_ranks(model):
     inputs = getattr(model, "inputs", None)
-    if not inputs or not getattr(model, "_is_graph_network", True):
+    if not inputs or not keras_internals.is_graph_network(model):
         return None
     try:
         return [len(i.shape) for i in inputs]
@@ -139,17 +141,20 @@ def distributing_inputs(model, usages, arguments):
     `experimental_distribute_dataset`, in that order; for the duration of one
     call the model's own strategy object sends them through
     `distribute_dataset`, which chooses the auto-shard policy and records the
-    input plan. Inputs already distributed (a `DatasetCreator`) skip it.
+    input plan (a hook of `keras_dist._runtime.distribute_dataset`). Inputs
+    already distributed (a `DatasetCreator`) skip it.
     """
     strategy = model.distribute_strategy
     if strategy.num_replicas_in_sync == 1:
         yield
         return
     pending = list(_inputs_keras_distributes(usages, arguments))
-    previous = strategy.__dict__.get("experimental_distribute_dataset")
-    original = type(strategy).experimental_distribute_dataset.__get__(strategy)
+    original = runtime_distribute_dataset.keras_distribute(strategy)
 
-    def distribute(dataset, options=None):
+    def distribute(dataset, options, distribute_next):
+        # Not `distribute_next`: a nested call (Keras' validation `evaluate` inside `fit`) is routed
+        # once, by its own hook, not again by the outer call's.
+        del distribute_next
         if len(pending) > 1:
             usage, source, batch_size = pending.pop(0)
         else:  # The last input (or an unforeseen one) keeps the last description.
@@ -167,14 +172,8 @@ def distributing_inputs(model, usages, arguments):
         _distribute.announce(plan, strategy)
         return distributed
 
-    strategy.experimental_distribute_dataset = distribute
-    try:
+    with runtime_distribute_dataset.hooking(strategy, distribute):
         yield
-    finally:
-        if previous is None:
-            del strategy.experimental_distribute_dataset
-        else:
-            strategy.experimental_distribute_dataset = previous
 
 
 def _inputs_keras_distributes(usages, arguments):

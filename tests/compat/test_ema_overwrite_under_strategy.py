@@ -25,7 +25,7 @@ def _train(model_class, num_examples=37, **kwargs):
 
 def test_fix_is_gated_on_the_verified_keras_versions():
     fix = _compat.FIXES["ema_overwrite_under_strategy"]
-    assert fix.affected == ">=3.15,<3.16"
+    assert fix.verified == ">=3.15,<3.16"
     assert _compat.is_active("ema_overwrite_under_strategy") == fix.applies_to_installed()
 
 
