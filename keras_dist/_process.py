@@ -3,9 +3,10 @@
 import os
 import sys
 
+from keras_dist._env import RESTART_COUNT_ENV as RESTART_COUNT_ENV  # Set by `keras-dist launch`; re-exported.
+
 CLI_MODULE = "keras_dist.cli"
 RESTART_EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a worker saved its state and asks to be started again.
-RESTART_COUNT_ENV = "KERAS_DIST_RESTART_COUNT"  # Set by `keras-dist launch`: 0 on the first start.
 
 
 def is_keras_dist_command(orig_argv=None):

@@ -14,8 +14,9 @@ import os
 from packaging.specifiers import SpecifierSet
 
 from keras_dist._compat.versions import INSTALLED
+from keras_dist._env import DISABLE_FIXES_ENV
 
-DISABLE_ENV = "KERAS_DIST_DISABLE_FIXES"
+DISABLE_ENV = DISABLE_FIXES_ENV
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ import os
 
 import tensorflow as tf
 
-CPU_REPLICAS_ENV = "KERAS_DIST_CPU_REPLICAS"
+from keras_dist._env import CPU_REPLICAS_ENV
 
 
 def requested_cpu_replicas():

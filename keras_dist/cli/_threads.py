@@ -8,8 +8,7 @@ Must not: import TensorFlow or Keras (the launcher runs without them).
 
 import os
 
-INTRA_OP_THREADS_ENV = "KERAS_DIST_INTRA_OP_THREADS"  # Read by keras_dist._runtime.threads at import.
-INTER_OP_THREADS_ENV = "KERAS_DIST_INTER_OP_THREADS"
+from keras_dist._env import INTER_OP_THREADS_ENV, INTRA_OP_THREADS_ENV  # Read by keras_dist._runtime.threads at import.
 
 
 def threads_per_worker(num_local_workers, cpu_count, requested=None):

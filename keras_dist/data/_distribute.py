@@ -15,6 +15,7 @@ import types
 import keras
 import tensorflow as tf
 
+from keras_dist import _env
 from keras_dist._runtime import datasets as runtime_datasets
 from keras_dist.data import _creator, _sharding
 from keras_dist.strategy import _plan
@@ -158,7 +159,7 @@ def distribute_dataset(strategy, dataset, *, usage, source, distribute, auto_sha
 def announce(plan, strategy, *, print_fn=None):
     """Prints `plan` on the chief, once per process for each distinct plan (`KERAS_DIST_QUIET=1` silences it)."""
     text = str(plan)
-    if text in _PRINTED or os.environ.get("KERAS_DIST_QUIET") or not _plan.is_chief(strategy):
+    if text in _PRINTED or os.environ.get(_env.QUIET_ENV) or not _plan.is_chief(strategy):
         return
     _PRINTED.add(text)
     (print_fn or functools.partial(print, flush=True))(text)

@@ -17,6 +17,7 @@ import re
 import tensorflow as tf
 
 from keras_dist import _compat
+from keras_dist._env import SLURM_PORT_BASE_ENV
 from keras_dist._runtime import devices
 
 TRAINING_TASK_TYPES = ("chief", "worker")
@@ -24,7 +25,6 @@ _OTHER_TASK_TYPES = ("evaluator", "ps")
 _TOP_LEVEL_KEYS = ("cluster", "task", "environment", "rpc_layer", "session_master")
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 _TF_CONFIG_EXAMPLE = '{"cluster": {"worker": ["host0:port", "host1:port"]}, "task": {"type": "worker", "index": 0}}'
-SLURM_PORT_BASE_ENV = "KERAS_DIST_SLURM_PORT_BASE"
 
 
 @dataclasses.dataclass(frozen=True)

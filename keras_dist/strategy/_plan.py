@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import os
 
+from keras_dist import _env
 from keras_dist._runtime import strategy_info
 from keras_dist.strategy import _cluster
 
@@ -99,7 +100,7 @@ def announce(strategy, *, communication="", print_fn=None):
 
     Set `KERAS_DIST_QUIET=1` to silence it.
     """
-    if id(strategy) in _ANNOUNCED or not is_chief(strategy) or os.environ.get("KERAS_DIST_QUIET"):
+    if id(strategy) in _ANNOUNCED or not is_chief(strategy) or os.environ.get(_env.QUIET_ENV):
         return
     _ANNOUNCED.add(id(strategy))
     (print_fn or functools.partial(print, flush=True))(str(describe(strategy, communication=communication)))
