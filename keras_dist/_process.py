@@ -2,6 +2,7 @@
 
 import os
 import sys
+from collections.abc import Sequence
 
 from keras_dist._env import RESTART_COUNT_ENV as RESTART_COUNT_ENV  # Set by `keras-dist launch`; re-exported.
 
@@ -9,7 +10,7 @@ CLI_MODULE = "keras_dist.cli"
 RESTART_EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a worker saved its state and asks to be started again.
 
 
-def is_keras_dist_command(orig_argv=None):
+def is_keras_dist_command(orig_argv: Sequence[str] | None = None) -> bool:
     """Returns whether the process was started as `keras-dist ...` or `python -m keras_dist.cli ...`.
 
     Args:

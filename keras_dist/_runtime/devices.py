@@ -37,7 +37,7 @@ def requested_cpu_replicas():
     return value
 
 
-def simulate_cpu_replicas(num_replicas):
+def simulate_cpu_replicas(num_replicas: int) -> list[str]:
     """Splits the first physical CPU into `num_replicas` logical devices.
 
     Calling it again with the same count is a no-op, so scripts and test

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import os
 import types
+from typing import cast
 
 import keras
 import tensorflow as tf
@@ -20,7 +21,7 @@ from keras_dist._runtime import datasets as runtime_datasets
 from keras_dist.data import _creator, _sharding
 from keras_dist.strategy import _plan
 
-_PRINTED = set()
+_PRINTED: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,17 +47,17 @@ class InputPlan:
     source: str
     num_workers: int
     num_replicas_in_sync: int
-    auto_shard_policy: object
-    num_files: object
+    auto_shard_policy: str | None
+    num_files: int | None
     sharding_reason: str
-    global_batch_size: object
-    per_replica_batch_sizes: object
+    global_batch_size: int | None
+    per_replica_batch_sizes: tuple[int, ...] | None
 
-    def __str__(self):
+    def __str__(self) -> str:
         if self.global_batch_size is None:
             batch = "set by each batch of the input (not known in advance)"
         else:
-            split = ", ".join(map(str, self.per_replica_batch_sizes))
+            split = ", ".join(map(str, cast(tuple, self.per_replica_batch_sizes)))  # set with global_batch_size
             batch = f"{self.global_batch_size} examples, per replica: {split}"
         lines = [f"keras-dist input ({self.usage}): {self.source}", f"  global batch size:   {batch}"]
         if self.auto_shard_policy is not None:

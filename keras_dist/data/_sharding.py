@@ -29,7 +29,7 @@ _TF_POLICIES = {
     "off": tf.data.experimental.AutoShardPolicy.OFF,
 }
 _NAMES = {policy: name for name, policy in _TF_POLICIES.items()}
-_WARNED = set()
+_WARNED: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +47,13 @@ class ShardingDecision:
     """
 
     auto_shard_policy: str
-    num_files: object
+    num_files: int | None
     reason: str
     explicit: bool = False
     fix: str = ""
 
 
-def validate_auto_shard_policy(policy):
+def validate_auto_shard_policy(policy: str | tf.data.experimental.AutoShardPolicy) -> str:
     """Returns `policy` lower-cased after checking it is a known policy name.
 
     Raises:
@@ -189,7 +189,9 @@ def warn_once(decision, num_workers, source):
         warnings.warn(message, errors.KerasDistWarning, stacklevel=3)
 
 
-def with_auto_shard_policy(dataset, policy):
+def with_auto_shard_policy(
+    dataset: tf.data.Dataset, policy: str | tf.data.experimental.AutoShardPolicy
+) -> tf.data.Dataset:
     """Returns `dataset` with its auto-shard policy option set to `policy`.
 
     Args:

@@ -21,10 +21,10 @@ _SUPPORTED = (
 
 # One strategy object per name and process: TensorFlow allows one multi-worker
 # strategy per process, and models that share data must share their strategy.
-_RESOLVED = {}
+_RESOLVED: dict[str, tf.distribute.Strategy] = {}
 
 
-def choose_strategy_name(*, tpu_available, num_cluster_tasks, num_gpus, num_cpu_replicas):
+def choose_strategy_name(*, tpu_available: bool, num_cluster_tasks: int, num_gpus: int, num_cpu_replicas: int) -> str:
     """Chooses what `strategy="auto"` means from facts about this machine.
 
     The order: a reachable TPU; `"multi_worker"` when the cluster has more than
@@ -50,7 +50,7 @@ def choose_strategy_name(*, tpu_available, num_cluster_tasks, num_gpus, num_cpu_
     return "default"
 
 
-def resolve_strategy(strategy="auto"):
+def resolve_strategy(strategy: str | tf.distribute.Strategy = "auto") -> tf.distribute.Strategy:
     """Returns the `tf.distribute.Strategy` that `strategy` names.
 
     Args:
@@ -92,7 +92,7 @@ def resolve_strategy(strategy="auto"):
     return _RESOLVED[name]
 
 
-def check_supported(strategy):
+def check_supported(strategy: tf.distribute.Strategy) -> None:
     """Raises `ValueError` unless keras-dist can train with `strategy`.
 
     Keras 3 `fit` does not support parameter-server training
