@@ -5,8 +5,8 @@ pipeline and `tf.distribute` rewrites it so that each worker keeps its share
 (TF guide "Distributed input", section "Sharding"):
 
 - FILE: each worker reads a disjoint subset of the files. Cheapest, but needs
-  at least one file per worker (TensorFlow fails on worker 0 otherwise,
-  shared/cases 23).
+  at least one file per worker (otherwise TensorFlow fails on worker 0 and
+  the other workers die in a collective, e.g. 1 TFRecord file for 2 workers).
 - DATA: each worker reads everything and keeps every `num_workers`-th batch
   part. Always possible; costs each worker a full read of the input.
 - OFF: no sharding; the pipeline must shard itself (e.g. with

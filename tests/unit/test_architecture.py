@@ -170,3 +170,17 @@ def test_the_checks_fail_on_planted_imports():
         chain.startswith("keras_dist.cli.launch -> ") and "keras_dist._env -> tensorflow" in chain for chain in launcher
     )
     assert {line.split(" (")[0] for line in private_imports(planted)} == {"keras_dist._env", "keras_dist.data._creator"}
+
+
+def test_nothing_points_outside_the_repository():
+    """Comments and docs describe their cases in place: no path into the team's folder outside the repository."""
+    outside = "shared" + "/cases"  # split, so this file does not match itself
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in ("keras_dist", "tests", "docs", "examples", "benchmarks")
+        for path in sorted((ROOT / folder).rglob("*"))
+        if path.suffix in (".py", ".md", ".toml", ".txt")
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if outside in line
+    ] + [f"README.md:{n}" for n, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1) if outside in line]
+    assert found == [], "describe the case itself (what program, what it showed) instead"
