@@ -87,7 +87,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     """Loads the public names on first use inside the `keras-dist` command itself."""
     if name in __all__:
         import importlib

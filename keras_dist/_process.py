@@ -1,23 +1,16 @@
-"""Whether this Python process is the `keras-dist` command itself (it must not load TensorFlow).
-
-Also the names the launcher and its workers share (exit status, environment
-variables): this module imports neither TensorFlow nor any other part of
-keras_dist, so both sides read them from here.
-"""
+"""Whether this Python process is the `keras-dist` command itself (it must not load TensorFlow)."""
 
 import os
 import sys
+from collections.abc import Sequence
+
+from keras_dist._env import RESTART_COUNT_ENV as RESTART_COUNT_ENV  # Set by `keras-dist launch`; re-exported.
 
 CLI_MODULE = "keras_dist.cli"
 RESTART_EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a worker saved its state and asks to be started again.
-RESTART_COUNT_ENV = "KERAS_DIST_RESTART_COUNT"  # Set by `keras-dist launch`: 0 on the first start.
-INTRA_OP_THREADS_ENV = (
-    "KERAS_DIST_INTRA_OP_THREADS"  # Set by `keras-dist launch`, applied by keras_dist._runtime.threads.
-)
-INTER_OP_THREADS_ENV = "KERAS_DIST_INTER_OP_THREADS"
 
 
-def is_keras_dist_command(orig_argv=None):
+def is_keras_dist_command(orig_argv: Sequence[str] | None = None) -> bool:
     """Returns whether the process was started as `keras-dist ...` or `python -m keras_dist.cli ...`.
 
     Args:

@@ -1,17 +1,29 @@
 """Layer 1: `distribute(model)`, turning a model that exists into a `DistributedModel`."""
 
+from __future__ import annotations
+
+from typing import Any
+
 import keras
+import tensorflow as tf
 
 from keras_dist import collectives
 from keras_dist._model import DistributedModel
 from keras_dist._runtime import keras_internals as ki
+from keras_dist.collectives._options import CommunicationValue
 from keras_dist.data._sharding import validate_auto_shard_policy
 from keras_dist.strategy import _resolve
 
 _STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
 
 
-def distribute(model, *, strategy="auto", communication=None, auto_shard_policy="auto"):
+def distribute(
+    model: keras.Model,
+    *,
+    strategy: str | tf.distribute.Strategy = "auto",
+    communication: CommunicationValue = None,
+    auto_shard_policy: str = "auto",
+) -> DistributedModel:
     """Returns a `DistributedModel` that trains `model`'s layers under a strategy.
 
     The layer objects and their weights are kept (trained or not): their
@@ -79,7 +91,7 @@ def distribute(model, *, strategy="auto", communication=None, auto_shard_policy=
     return distributed
 
 
-def _functional_graph(model):
+def _functional_graph(model: keras.Model) -> tuple[Any, Any] | None:
     """Returns `(inputs, outputs)` of a functional or built Sequential model, else `None`."""
     if isinstance(model, ki.Functional) or isinstance(model, keras.Sequential):
         try:
@@ -105,7 +117,7 @@ class WrappedModel(DistributedModel):
         **kwargs: Keras `Model` keyword arguments.
     """
 
-    def __init__(self, model, *, strategy="auto", **kwargs):
+    def __init__(self, model: keras.Model, *, strategy: str | tf.distribute.Strategy = "auto", **kwargs: Any) -> None:
         kwargs.setdefault("name", f"distributed_{model.name}")
         super().__init__(strategy=strategy, **kwargs)
         self.wrapped_model = model
@@ -113,18 +125,18 @@ class WrappedModel(DistributedModel):
             self.built = True
         self._distribute_state()
 
-    def call(self, inputs, training=None):
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.wrapped_model(inputs, training=training)
 
-    def build(self, input_shape):
+    def build(self, input_shape: Any) -> None:
         if not self.wrapped_model.built:
             self.wrapped_model.build(input_shape)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"name": self.name, "model": keras.saving.serialize_keras_object(self.wrapped_model)}
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> WrappedModel:
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
         return cls(model, **config)

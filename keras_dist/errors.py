@@ -5,6 +5,8 @@ bad input and wrong state; the types here exist only where a user needs to tell
 keras-dist's own conditions apart from everything else.
 """
 
+from collections.abc import Iterable
+
 
 class KerasDistWarning(UserWarning):
     """Base class of every warning keras-dist emits (so tests can turn them into errors)."""
@@ -23,6 +25,6 @@ class WorkerUnavailableError(RuntimeError):
             when TensorFlow did not say which.
     """
 
-    def __init__(self, message, missing=()):
+    def __init__(self, message: str, missing: Iterable[str] = ()) -> None:
         super().__init__(message)
         self.missing = tuple(missing)

@@ -20,9 +20,10 @@ from packaging.specifiers import SpecifierSet
 
 from keras_dist import errors
 from keras_dist._compat import versions
+from keras_dist._env import DISABLE_FIXES_ENV, FORCE_FIXES_ENV
 
-DISABLE_ENV = "KERAS_DIST_DISABLE_FIXES"  # Comma-separated names: these fixes are off.
-FORCE_ENV = "KERAS_DIST_FORCE_FIXES"  # `all`, or comma-separated names: on even outside their verified range.
+DISABLE_ENV = DISABLE_FIXES_ENV  # Comma-separated names: these fixes are off.
+FORCE_ENV = FORCE_FIXES_ENV  # `all`, or comma-separated names: on even outside their verified range.
 
 
 @dataclasses.dataclass(frozen=True)

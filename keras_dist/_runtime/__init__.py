@@ -8,6 +8,6 @@ objects, and replace methods on them, only through named functions here
 docstring saying what it reaches or replaces and why (`_model.py` and
 `collectives` still reach a few directly: issue 19, item 3).
 Must not: decide policy (which strategy, which fix); layers 1 and 2 decide, this
-package only carries it out. Imports: TensorFlow, Keras, `keras_dist._process`,
+package only carries it out. Imports: TensorFlow, Keras, `keras_dist._env`, `keras_dist._process`,
 `keras_dist.errors` and this package only; nothing from layers 1 or 2.
 """

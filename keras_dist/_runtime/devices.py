@@ -9,7 +9,7 @@ import os
 
 import tensorflow as tf
 
-CPU_REPLICAS_ENV = "KERAS_DIST_CPU_REPLICAS"
+from keras_dist._env import CPU_REPLICAS_ENV
 
 
 def requested_cpu_replicas():
@@ -37,7 +37,7 @@ def requested_cpu_replicas():
     return value
 
 
-def simulate_cpu_replicas(num_replicas):
+def simulate_cpu_replicas(num_replicas: int) -> list[str]:
     """Splits the first physical CPU into `num_replicas` logical devices.
 
     Calling it again with the same count is a no-op, so scripts and test

@@ -202,7 +202,7 @@ def apply_once_in_cross_replica_context(optimizer, gradients, variables, keras_a
     Keras' gradient accumulation makes `optimizer.apply` choose between
     updating and accumulating with `ops.cond`, and both branches reach
     `merge_call`, which TensorFlow refuses inside a conditional in replica
-    context (shared/cases 17); so does the conditional overwrite of the
+    context (keras-team/keras#17429); so does the conditional overwrite of the
     weights with their moving averages (`use_ema` with
     `ema_overwrite_frequency`). The summed gradients are the same on every
     replica, so one `merge_call` runs the whole `apply` in cross-replica

@@ -10,8 +10,8 @@ one number is taken as it is. The global batch's loss is, per term,
 their example counts alone gives once the divisors are not proportional to
 the examples. Under a strategy Keras also divides each reduced loss by
 `num_replicas_in_sync` (`scale_loss_for_distribution`), but not a loss
-function's own scalar (shared/cases/real r02: the gradient doubles on 2
-replicas).
+function's own scalar (a loss function returning `ops.mean(...)`: the
+gradient and the logged loss doubled on 2 replicas).
 
 What this module does, while a keras-dist step runs on a replica (its
 `step_state.ReplicaStep` is registered):

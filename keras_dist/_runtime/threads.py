@@ -18,7 +18,7 @@ import warnings
 import tensorflow as tf
 
 from keras_dist import errors
-from keras_dist._process import INTER_OP_THREADS_ENV, INTRA_OP_THREADS_ENV  # Shared with the launcher.
+from keras_dist._env import INTER_OP_THREADS_ENV, INTRA_OP_THREADS_ENV
 
 
 def requested_threads(environ=None):

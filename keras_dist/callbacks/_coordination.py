@@ -6,10 +6,10 @@ import uuid
 
 import tensorflow as tf
 
+from keras_dist._env import WRITE_TIMEOUT_ENV
 from keras_dist._runtime import variables
 from keras_dist.strategy import _plan
 
-WRITE_TIMEOUT_ENV = "KERAS_DIST_WRITE_TIMEOUT"
 DEFAULT_WRITE_TIMEOUT_SECONDS = 120.0
 
 

@@ -2,6 +2,7 @@
 
 import time
 import warnings
+from typing import Any
 
 import keras
 import numpy as np
@@ -62,7 +63,14 @@ class ThroughputMonitor(keras.callbacks.Callback):
     # Dense bf16/fp16 tensor-core peaks from the vendors' datasheets, FLOP/s per GPU.
     PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}
 
-    def __init__(self, skip_steps=1, *, flops_per_example=None, peak_flops_per_second=None, global_batch_size=None):
+    def __init__(
+        self,
+        skip_steps: int = 1,
+        *,
+        flops_per_example: float | None = None,
+        peak_flops_per_second: float | None = None,
+        global_batch_size: int | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(skip_steps, int) or skip_steps < 0:
             raise ValueError(f"`skip_steps` must be an integer >= 0. Received: {skip_steps!r}.")
@@ -77,16 +85,16 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self.flops_per_example = flops_per_example
         self.peak_flops_per_second = peak_flops_per_second
         self._seen = 0
-        self._step_times = []
-        self._start = None
+        self._step_times: list[float] = []
+        self._start: float | None = None
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._step_times = []
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._start = _now()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         _wait_for(logs)
         self._seen += 1
         if self._seen > self.skip_steps and self._start is not None:
@@ -94,7 +102,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             steps_per_execution = getattr(self.model, "steps_per_execution", 1) or 1
             self._step_times.append((_now() - self._start) / steps_per_execution)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is None or not self._step_times:
             return
         times = np.array(self._step_times)  # Seconds per step.
@@ -172,16 +180,16 @@ class RetracingMonitor(keras.callbacks.Callback):
 
     FUNCTIONS = ("train_function", "test_function", "predict_function")
 
-    def __init__(self, max_traces_per_epoch=1):
+    def __init__(self, max_traces_per_epoch: int = 1) -> None:
         super().__init__()
         if not isinstance(max_traces_per_epoch, int) or max_traces_per_epoch < 0:
             raise ValueError(f"`max_traces_per_epoch` must be an integer >= 0. Received: {max_traces_per_epoch!r}.")
         self.max_traces_per_epoch = max_traces_per_epoch
-        self.traces = {}
-        self._at_epoch_begin = {}
-        self._warned = set()
+        self.traces: dict[str, int] = {}
+        self._at_epoch_begin: dict[str, int] = {}
+        self._warned: set[str] = set()
 
-    def tracing_count(self, name):
+    def tracing_count(self, name: str) -> int:
         """Returns how many times the `tf.function`s behind `model.<name>` were traced (0 before it exists).
 
         Keras 3 wraps its `tf.function`s in plain Python closures (the train
@@ -189,10 +197,10 @@ class RetracingMonitor(keras.callbacks.Callback):
         """
         return sum(f.experimental_get_tracing_count() for f in _tf_functions_in(getattr(self.model, name, None)))
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._at_epoch_begin = {name: self.tracing_count(name) for name in self.FUNCTIONS}
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         for name in self.FUNCTIONS:
             total = self.tracing_count(name)
             new = total - self._at_epoch_begin.get(name, 0)

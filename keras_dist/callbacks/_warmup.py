@@ -1,6 +1,7 @@
 """`LearningRateWarmup`: gradual warm-up to the learning rate scaled for the global batch."""
 
 import math
+from typing import Any, cast
 
 import keras
 
@@ -49,8 +50,14 @@ class LearningRateWarmup(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, warmup_epochs=None, warmup_steps=None, *, base_batch_size=None, target_learning_rate=None, verbose=0
-    ):
+        self,
+        warmup_epochs: float | None = None,
+        warmup_steps: int | None = None,
+        *,
+        base_batch_size: int | None = None,
+        target_learning_rate: float | None = None,
+        verbose: int = 0,
+    ) -> None:
         super().__init__()
         if (warmup_epochs is None) == (warmup_steps is None):
             raise ValueError(
@@ -70,11 +77,11 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self.base_batch_size = base_batch_size
         self.target_learning_rate = target_learning_rate
         self.verbose = verbose
-        self.start_learning_rate = None
-        self.target = None
-        self._total_steps = None
+        self.start_learning_rate: float | None = None
+        self.target: float | None = None
+        self._total_steps: int | None = None
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         optimizer = self.model.optimizer
         if keras_internals.uses_learning_rate_schedule(optimizer):
             raise ValueError(
@@ -132,25 +139,26 @@ class LearningRateWarmup(keras.callbacks.Callback):
             )
         return global_batch / self.base_batch_size
 
-    def learning_rate_at(self, step):
+    def learning_rate_at(self, step: int) -> float:
         """Returns the rate (float) for optimizer step `step` (0-based `optimizer.iterations`)."""
-        fraction = min(1.0, step / self._total_steps)
-        return self.start_learning_rate + (self.target - self.start_learning_rate) * fraction
+        start, target = cast(float, self.start_learning_rate), cast(float, self.target)  # set by on_train_begin
+        fraction = min(1.0, step / cast(int, self._total_steps))
+        return start + (target - start) * fraction
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self.start_learning_rate is None:
             return
         step = _optimizer_step(self.model)
         if step < self._total_steps:
             self.model.optimizer.learning_rate = self.learning_rate_at(step)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # The warm-up ends on the target rate, set once, right after its last step: a scheduler
         # placed after this callback (on_epoch_begin) takes over from there.
         if self.start_learning_rate is not None and _optimizer_step(self.model) == self._total_steps:
             self.model.optimizer.learning_rate = self.target
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is not None:
             logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
 

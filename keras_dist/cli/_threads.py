@@ -8,9 +8,7 @@ Must not: import TensorFlow or Keras (the launcher runs without them).
 
 import os
 
-# Read by keras_dist._runtime.threads at import (re-exported: the launcher's modules import them from here).
-from keras_dist._process import INTER_OP_THREADS_ENV as INTER_OP_THREADS_ENV
-from keras_dist._process import INTRA_OP_THREADS_ENV as INTRA_OP_THREADS_ENV
+from keras_dist._env import INTER_OP_THREADS_ENV, INTRA_OP_THREADS_ENV  # Read by keras_dist._runtime.threads at import.
 
 
 def threads_per_worker(num_local_workers, cpu_count, requested=None):

@@ -10,6 +10,8 @@ import platform
 import sys
 from importlib import metadata
 
+from keras_dist import _env
+
 _PACKAGES = ("keras-dist", "keras", "tensorflow", "tensorflow-datasets", "numpy", "protobuf")
 
 
@@ -87,8 +89,8 @@ def collect_environment(environ=None):
         "Cluster": cluster,
         "Strategy": {'strategy="auto" would use': strategy},
         "Active compatibility fixes": {fix.name: fix.upstream for fix in _compat.active_fixes()},
-        "Settings": {k: v for k, v in sorted(environ.items()) if k.startswith("KERAS_DIST_")}
-        or {"KERAS_DIST_*": "none set"},
+        "Settings": {k: v for k, v in sorted(environ.items()) if k.startswith(_env.PREFIX)}
+        or {f"{_env.PREFIX}*": "none set"},
     }
 
 

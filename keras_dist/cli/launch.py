@@ -27,7 +27,13 @@ import os
 import socket
 import sys
 
-from keras_dist._process import RESTART_COUNT_ENV
+from keras_dist._env import (
+    COLLECTIVE_TIMEOUT_ENV,
+    CPU_REPLICAS_ENV,
+    HEARTBEAT_TIMEOUT_ENV,
+    RESTART_COUNT_ENV,
+    STARTUP_TIMEOUT_ENV,
+)
 from keras_dist.cli._threads import (
     INTER_OP_THREADS_ENV,
     INTRA_OP_THREADS_ENV,
@@ -40,10 +46,6 @@ from keras_dist.cli._worker_group import WorkerGroup, exit_status_message, launc
 LOOPBACK = "127.0.0.1"
 DEFAULT_NUM_WORKERS = 2
 DEFAULT_GRACE_PERIOD = 10.0
-CPU_REPLICAS_ENV = "KERAS_DIST_CPU_REPLICAS"
-STARTUP_TIMEOUT_ENV = "KERAS_DIST_STARTUP_TIMEOUT"
-HEARTBEAT_TIMEOUT_ENV = "KERAS_DIST_HEARTBEAT_TIMEOUT"
-COLLECTIVE_TIMEOUT_ENV = "KERAS_DIST_COLLECTIVE_TIMEOUT"
 _INHERITED_ENV_TO_DROP = ("TF_CONFIG", CPU_REPLICAS_ENV)
 
 __all__ = [

@@ -1,8 +1,12 @@
 """`distributed_optimizer`: a Keras optimizer that sums gradients over replicas before it applies them."""
 
+from __future__ import annotations
+
 import contextlib
 import types
+from collections.abc import Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_dist import _compat
@@ -10,14 +14,16 @@ from keras_dist._runtime import accumulation, step_state
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import variables as variables_module
 from keras_dist.collectives import _all_reduce
-from keras_dist.collectives._options import CommunicationOptions
+from keras_dist.collectives._options import CommunicationOptions, CommunicationValue
 
 _OPTIONS = "_keras_dist_communication"
 _SUMS = "_keras_dist_gradient_sums"
 _SUMS_VARIABLES = "_keras_dist_gradient_sums_variables"
 
 
-def distributed_optimizer(optimizer, communication=None):
+def distributed_optimizer(
+    optimizer: keras.optimizers.Optimizer, communication: CommunicationValue = None
+) -> keras.optimizers.Optimizer:
     """Makes `optimizer` sum gradients over the replicas first, then clip and apply them.
 
     Horovod's `DistributedOptimizer` for Keras optimizers on `tf.distribute`:
@@ -104,7 +110,9 @@ def is_distributed_optimizer(optimizer):
     return _OPTIONS in optimizer.__dict__
 
 
-def prepare_gradient_accumulation(optimizer, strategy, variables):
+def prepare_gradient_accumulation(
+    optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy, variables: Sequence[keras.Variable]
+) -> None:
     """Creates the per-replica gradient sums for accumulation with one all-reduce per k micro-batches.
 
     Does nothing unless `optimizer` itself has `gradient_accumulation_steps`

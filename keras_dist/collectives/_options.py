@@ -1,6 +1,9 @@
 """`CommunicationOptions`: the knobs of the gradient all-reduce, as Horovod and DDP users expect them."""
 
+from __future__ import annotations
+
 import dataclasses
+from typing import Any, Literal, TypeAlias
 
 import tensorflow as tf
 
@@ -11,9 +14,14 @@ _TF_IMPLEMENTATIONS = {
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
-_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16}
+_DTYPES: dict[str | None, Any] = {"fp16": tf.float16, "bf16": tf.bfloat16}
 AUTO_BYTES_PER_PACK_BETWEEN_CPU_WORKERS = 8 * 2**20  # bytes; see `CommunicationOptions.bytes_per_pack`.
 _TF_OPTIONS_TYPE = type(tf.distribute.experimental.CommunicationOptions())  # a factory, not the class
+# What `communication=` accepts everywhere (`CommunicationOptions.from_value`); a string, because
+# TensorFlow's `CommunicationOptions` is a factory function at run time.
+CommunicationValue: TypeAlias = (
+    "CommunicationOptions | tf.distribute.experimental.CommunicationOptions | dict[str, Any] | None"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +76,11 @@ class CommunicationOptions:
     """
 
     implementation: str = "auto"
-    bytes_per_pack: object = "auto"
-    timeout_seconds: object = None
-    compression: object = None
+    bytes_per_pack: int | Literal["auto"] = "auto"
+    timeout_seconds: float | None = None
+    compression: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"`implementation` must be one of {IMPLEMENTATIONS}. Received: implementation={self.implementation!r}."
@@ -98,7 +106,7 @@ class CommunicationOptions:
             )
 
     @classmethod
-    def from_value(cls, value):
+    def from_value(cls, value: CommunicationValue) -> CommunicationOptions:
         """Returns `CommunicationOptions` from `None`, itself, a TF `CommunicationOptions` or a dict.
 
         Raises:
@@ -123,7 +131,7 @@ class CommunicationOptions:
             f"Received: {type(value).__name__}."
         )
 
-    def resolved(self, strategy):
+    def resolved(self, strategy: tf.distribute.Strategy) -> CommunicationOptions:
         """Returns these options with `bytes_per_pack="auto"` replaced by its value under `strategy`.
 
         Args:
@@ -148,7 +156,7 @@ class CommunicationOptions:
             self, bytes_per_pack=AUTO_BYTES_PER_PACK_BETWEEN_CPU_WORKERS if between_cpu_workers else 0
         )
 
-    def to_tensorflow(self):
+    def to_tensorflow(self) -> tf.distribute.experimental.CommunicationOptions:
         """Returns the `tf.distribute.experimental.CommunicationOptions` of the first three fields (`"auto"` packing: 0)."""
         return tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=0 if self.bytes_per_pack == "auto" else self.bytes_per_pack,
@@ -157,11 +165,11 @@ class CommunicationOptions:
         )
 
     @property
-    def compressed_dtype(self):
+    def compressed_dtype(self) -> tf.DType | None:
         """The `tf.DType` gradients travel in, or `None` without compression."""
         return _DTYPES.get(self.compression)
 
-    def describe(self):
+    def describe(self) -> str:
         """Returns one line for the plan, e.g. `'RING, pack 4194304 bytes, timeout 30 s, no compression'`."""
         pack = {"auto": "pack auto", 0: "one pack"}.get(self.bytes_per_pack, f"pack {self.bytes_per_pack} bytes")
         timeout = "no timeout" if self.timeout_seconds is None else f"timeout {self.timeout_seconds:g} s"

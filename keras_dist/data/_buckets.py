@@ -2,21 +2,23 @@
 
 import collections.abc
 import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 
 def bucket_by_length(
-    dataset,
+    dataset: tf.data.Dataset,
     *,
-    boundaries,
-    global_batch_size,
-    length_fn=None,
-    pad_to_boundary=True,
-    drop_remainder=False,
-    padding_value=0,
-):
+    boundaries: Sequence[int],
+    global_batch_size: int,
+    length_fn: Callable[..., tf.Tensor] | None = None,
+    pad_to_boundary: bool = True,
+    drop_remainder: bool = False,
+    padding_value: Any = 0,
+) -> tf.data.Dataset:
     """Batches variable-length sequences by length, padded to a few bucket lengths.
 
     A thin layer over `tf.data.Dataset.bucket_by_sequence_length`: examples

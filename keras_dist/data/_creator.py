@@ -1,5 +1,7 @@
 """`DatasetCreator`: an input function called once per worker, for pipelines that shard themselves."""
 
+from collections.abc import Callable
+
 import tensorflow as tf
 
 
@@ -46,7 +48,11 @@ class DatasetCreator:
         "tf.distribute.Strategy.distribute_datasets_from_function".
     """
 
-    def __init__(self, dataset_fn, input_options=None):
+    def __init__(
+        self,
+        dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset],
+        input_options: tf.distribute.InputOptions | None = None,
+    ) -> None:
         if not callable(dataset_fn):
             raise TypeError(
                 "`dataset_fn` must be a callable taking a tf.distribute.InputContext and "
@@ -55,7 +61,7 @@ class DatasetCreator:
         self.dataset_fn = dataset_fn
         self.input_options = input_options
 
-    def __call__(self, input_context):
+    def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         dataset = self.dataset_fn(input_context)
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(

@@ -11,15 +11,17 @@ import dataclasses
 import functools
 import os
 import types
+from typing import cast
 
 import keras
 import tensorflow as tf
 
+from keras_dist import _env
 from keras_dist._runtime import datasets as runtime_datasets
 from keras_dist.data import _creator, _sharding
 from keras_dist.strategy import _plan
 
-_PRINTED = set()
+_PRINTED: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,17 +47,17 @@ class InputPlan:
     source: str
     num_workers: int
     num_replicas_in_sync: int
-    auto_shard_policy: object
-    num_files: object
+    auto_shard_policy: str | None
+    num_files: int | None
     sharding_reason: str
-    global_batch_size: object
-    per_replica_batch_sizes: object
+    global_batch_size: int | None
+    per_replica_batch_sizes: tuple[int, ...] | None
 
-    def __str__(self):
+    def __str__(self) -> str:
         if self.global_batch_size is None:
             batch = "set by each batch of the input (not known in advance)"
         else:
-            split = ", ".join(map(str, self.per_replica_batch_sizes))
+            split = ", ".join(map(str, cast(tuple, self.per_replica_batch_sizes)))  # set with global_batch_size
             batch = f"{self.global_batch_size} examples, per replica: {split}"
         lines = [f"keras-dist input ({self.usage}): {self.source}", f"  global batch size:   {batch}"]
         if self.auto_shard_policy is not None:
@@ -158,7 +160,7 @@ def distribute_dataset(strategy, dataset, *, usage, source, distribute, auto_sha
 def announce(plan, strategy, *, print_fn=None):
     """Prints `plan` on the chief, once per process for each distinct plan (`KERAS_DIST_QUIET=1` silences it)."""
     text = str(plan)
-    if text in _PRINTED or os.environ.get("KERAS_DIST_QUIET") or not _plan.is_chief(strategy):
+    if text in _PRINTED or os.environ.get(_env.QUIET_ENV) or not _plan.is_chief(strategy):
         return
     _PRINTED.add(text)
     (print_fn or functools.partial(print, flush=True))(text)

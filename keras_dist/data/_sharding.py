@@ -5,8 +5,8 @@ pipeline and `tf.distribute` rewrites it so that each worker keeps its share
 (TF guide "Distributed input", section "Sharding"):
 
 - FILE: each worker reads a disjoint subset of the files. Cheapest, but needs
-  at least one file per worker (TensorFlow fails on worker 0 otherwise,
-  shared/cases 23).
+  at least one file per worker (otherwise TensorFlow fails on worker 0 and
+  the other workers die in a collective, e.g. 1 TFRecord file for 2 workers).
 - DATA: each worker reads everything and keeps every `num_workers`-th batch
   part. Always possible; costs each worker a full read of the input.
 - OFF: no sharding; the pipeline must shard itself (e.g. with
@@ -29,7 +29,7 @@ _TF_POLICIES = {
     "off": tf.data.experimental.AutoShardPolicy.OFF,
 }
 _NAMES = {policy: name for name, policy in _TF_POLICIES.items()}
-_WARNED = set()
+_WARNED: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +47,13 @@ class ShardingDecision:
     """
 
     auto_shard_policy: str
-    num_files: object
+    num_files: int | None
     reason: str
     explicit: bool = False
     fix: str = ""
 
 
-def validate_auto_shard_policy(policy):
+def validate_auto_shard_policy(policy: str | tf.data.experimental.AutoShardPolicy) -> str:
     """Returns `policy` lower-cased after checking it is a known policy name.
 
     Raises:
@@ -189,7 +189,9 @@ def warn_once(decision, num_workers, source):
         warnings.warn(message, errors.KerasDistWarning, stacklevel=3)
 
 
-def with_auto_shard_policy(dataset, policy):
+def with_auto_shard_policy(
+    dataset: tf.data.Dataset, policy: str | tf.data.experimental.AutoShardPolicy
+) -> tf.data.Dataset:
     """Returns `dataset` with its auto-shard policy option set to `policy`.
 
     Args:

@@ -4,6 +4,8 @@ import collections
 import dataclasses
 import itertools
 import types
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -30,20 +32,20 @@ class ShardingReport:
         num_missing: Integer, examples of the undistributed pass never received.
     """
 
-    plan: object
-    examples_per_worker: tuple
-    examples_per_replica: tuple
+    plan: _distribute.InputPlan
+    examples_per_worker: tuple[int, ...]
+    examples_per_replica: tuple[int, ...]
     num_examples: int
-    expected_num_examples: object
+    expected_num_examples: int | None
     num_duplicated: int
     num_missing: int
 
     @property
-    def every_example_once(self):
+    def every_example_once(self) -> bool:
         """Boolean: every example of the input was received exactly once."""
         return self.num_duplicated == 0 and self.num_missing == 0
 
-    def __str__(self):
+    def __str__(self) -> str:
         expected = "" if self.expected_num_examples is None else f" of {self.expected_num_examples}"
         verdict = (
             "every example once"
@@ -61,8 +63,15 @@ class ShardingReport:
 
 
 def verify_sharding(
-    x, y=None, *, batch_size=None, example_id=None, strategy=None, auto_shard_policy="auto", steps=None
-):
+    x: Any,
+    y: Any = None,
+    *,
+    batch_size: int | None = None,
+    example_id: Callable[[Any], tf.Tensor] | None = None,
+    strategy: tf.distribute.Strategy | None = None,
+    auto_shard_policy: str = "auto",
+    steps: int | None = None,
+) -> ShardingReport:
     """Runs one epoch of an input through the strategy and counts who got which example.
 
     The input is distributed exactly as `DistributedModel.fit` distributes it

@@ -13,10 +13,12 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Mapping
 
 import tensorflow as tf
 
 from keras_dist import _compat
+from keras_dist._env import SLURM_PORT_BASE_ENV
 from keras_dist._runtime import devices
 
 TRAINING_TASK_TYPES = ("chief", "worker")
@@ -24,7 +26,6 @@ _OTHER_TASK_TYPES = ("evaluator", "ps")
 _TOP_LEVEL_KEYS = ("cluster", "task", "environment", "rpc_layer", "session_master")
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 _TF_CONFIG_EXAMPLE = '{"cluster": {"worker": ["host0:port", "host1:port"]}, "task": {"type": "worker", "index": 0}}'
-SLURM_PORT_BASE_ENV = "KERAS_DIST_SLURM_PORT_BASE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,23 +48,23 @@ class ClusterInfo:
     source: str = "local"
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         """Integer, the processes that train: `chief` and `worker` tasks (1 without a cluster)."""
         return sum(len(self.cluster.get(kind, ())) for kind in TRAINING_TASK_TYPES) or 1
 
     @property
-    def is_chief(self):
+    def is_chief(self) -> bool:
         """Boolean: task `chief`, or worker 0 when the cluster has no chief."""
         if "chief" in self.cluster:
             return self.task_type == "chief"
         return self.task_type == "worker" and self.task_id == 0
 
     @property
-    def task_name(self):
+    def task_name(self) -> str:
         """String `"<task_type>:<task_id>"`, the prefix the launcher puts on this worker's output."""
         return f"{self.task_type}:{self.task_id}"
 
-    def addresses(self):
+    def addresses(self) -> dict[str, str]:
         """Returns a dict from task name (`"worker:1"`) to its `"host:port"`, chief first."""
         return {
             f"{kind}:{i}": address
@@ -75,7 +76,7 @@ class ClusterInfo:
 LOCAL = ClusterInfo(cluster={})
 
 
-def parse_tf_config(text):
+def parse_tf_config(text: str) -> ClusterInfo:
     """Parses and validates a `TF_CONFIG` string.
 
     Args:
@@ -111,7 +112,7 @@ def parse_tf_config(text):
     return ClusterInfo(cluster=cluster, task_type=task_type, task_id=task_id, source="TF_CONFIG")
 
 
-def cluster_from_environment(environ=None):
+def cluster_from_environment(environ: Mapping[str, str] | None = None) -> ClusterInfo:
     """Returns this process's `ClusterInfo` from `TF_CONFIG`, else SLURM, else `LOCAL`.
 
     `TF_CONFIG` wins when set. A SLURM job step with more than one task
@@ -238,7 +239,7 @@ def _cluster_from_slurm(environ):
     return dataclasses.replace(parse_tf_config(text), source="SLURM")
 
 
-def task_type():
+def task_type() -> str:
     """Returns this process's task type: `"chief"` or `"worker"` (`"worker"` without a cluster).
 
     Raises:
@@ -247,7 +248,7 @@ def task_type():
     return cluster_from_environment().task_type
 
 
-def task_id():
+def task_id() -> int:
     """Returns this process's index among the tasks of its type (0 without a cluster).
 
     Raises:
@@ -256,7 +257,7 @@ def task_id():
     return cluster_from_environment().task_id
 
 
-def num_workers():
+def num_workers() -> int:
     """Returns the number of processes that train (`chief` and `worker` tasks; 1 without a cluster).
 
     Raises:

@@ -7,7 +7,7 @@ TensorFlow reports these as generic `UnavailableError`/`DeadlineExceededError`/
 
 import re
 
-from keras_dist import errors
+from keras_dist import _env, errors
 from keras_dist._runtime import multi_worker
 from keras_dist.strategy._cluster import LOCAL, parse_tf_config  # noqa: F401 (doctests)
 
@@ -104,9 +104,9 @@ def peer_failure_message(info, error_text, *, missing, during, timeout_seconds, 
 
 
 _TIMEOUT_VARIABLES = {
-    "startup": ("startup_timeout_seconds", "KERAS_DIST_STARTUP_TIMEOUT"),
-    "training": ("heartbeat_timeout_seconds", "KERAS_DIST_HEARTBEAT_TIMEOUT"),
-    "collective": ("collective_timeout_seconds", "KERAS_DIST_COLLECTIVE_TIMEOUT"),
+    "startup": ("startup_timeout_seconds", _env.STARTUP_TIMEOUT_ENV),
+    "training": ("heartbeat_timeout_seconds", _env.HEARTBEAT_TIMEOUT_ENV),
+    "collective": ("collective_timeout_seconds", _env.COLLECTIVE_TIMEOUT_ENV),
 }
 
 

@@ -4,10 +4,13 @@ import dataclasses
 import functools
 import os
 
+import tensorflow as tf
+
+from keras_dist import _env
 from keras_dist._runtime import strategy_info
 from keras_dist.strategy import _cluster
 
-_ANNOUNCED = set()
+_ANNOUNCED: set[int] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Plan:
     all_reduce: str
     communication: str = ""
 
-    def __str__(self):
+    def __str__(self) -> str:
         return "\n".join(
             [
                 "keras-dist plan",
@@ -50,7 +53,7 @@ class Plan:
         )
 
 
-def cluster_info_of(strategy):
+def cluster_info_of(strategy: tf.distribute.Strategy) -> _cluster.ClusterInfo:
     """Returns the `ClusterInfo` of the cluster `strategy` was created for (`LOCAL` without one)."""
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None or not resolver.task_type:
@@ -64,7 +67,7 @@ def cluster_info_of(strategy):
     )
 
 
-def is_chief(strategy=None):
+def is_chief(strategy: tf.distribute.Strategy | None = None) -> bool:
     """Returns whether this process writes files and logs: task `chief`, or worker 0 without one.
 
     Args:
@@ -79,7 +82,7 @@ def is_chief(strategy=None):
     return cluster_info_of(strategy).is_chief
 
 
-def describe(strategy, *, communication=""):
+def describe(strategy: tf.distribute.Strategy, *, communication: str = "") -> Plan:
     """Returns the `Plan` of `strategy` for this process (`communication`: see `Plan`)."""
     info = cluster_info_of(strategy)
     return Plan(
@@ -99,7 +102,7 @@ def announce(strategy, *, communication="", print_fn=None):
 
     Set `KERAS_DIST_QUIET=1` to silence it.
     """
-    if id(strategy) in _ANNOUNCED or not is_chief(strategy) or os.environ.get("KERAS_DIST_QUIET"):
+    if id(strategy) in _ANNOUNCED or not is_chief(strategy) or os.environ.get(_env.QUIET_ENV):
         return
     _ANNOUNCED.add(id(strategy))
     (print_fn or functools.partial(print, flush=True))(str(describe(strategy, communication=communication)))

@@ -5,7 +5,7 @@ import os
 
 import tensorflow as tf
 
-from keras_dist import _compat
+from keras_dist import _compat, _env
 from keras_dist._process import is_keras_dist_command
 from keras_dist._runtime import devices, multi_worker
 from keras_dist.strategy import _cluster, _peer_errors
@@ -21,10 +21,10 @@ _SUPPORTED = (
 
 # One strategy object per name and process: TensorFlow allows one multi-worker
 # strategy per process, and models that share data must share their strategy.
-_RESOLVED = {}
+_RESOLVED: dict[str, tf.distribute.Strategy] = {}
 
 
-def choose_strategy_name(*, tpu_available, num_cluster_tasks, num_gpus, num_cpu_replicas):
+def choose_strategy_name(*, tpu_available: bool, num_cluster_tasks: int, num_gpus: int, num_cpu_replicas: int) -> str:
     """Chooses what `strategy="auto"` means from facts about this machine.
 
     The order: a reachable TPU; `"multi_worker"` when the cluster has more than
@@ -50,7 +50,7 @@ def choose_strategy_name(*, tpu_available, num_cluster_tasks, num_gpus, num_cpu_
     return "default"
 
 
-def resolve_strategy(strategy="auto"):
+def resolve_strategy(strategy: str | tf.distribute.Strategy = "auto") -> tf.distribute.Strategy:
     """Returns the `tf.distribute.Strategy` that `strategy` names.
 
     Args:
@@ -92,7 +92,7 @@ def resolve_strategy(strategy="auto"):
     return _RESOLVED[name]
 
 
-def check_supported(strategy):
+def check_supported(strategy: tf.distribute.Strategy) -> None:
     """Raises `ValueError` unless keras-dist can train with `strategy`.
 
     Keras 3 `fit` does not support parameter-server training
@@ -199,9 +199,9 @@ def timeouts_from_environment(environ=None):
 
 
 _TIMEOUTS = (
-    ("startup_timeout_seconds", "KERAS_DIST_STARTUP_TIMEOUT", 300.0, 1e-3),
-    ("heartbeat_timeout_seconds", "KERAS_DIST_HEARTBEAT_TIMEOUT", 30.0, 1.0),
-    ("collective_timeout_seconds", "KERAS_DIST_COLLECTIVE_TIMEOUT", 0.0, 0),
+    ("startup_timeout_seconds", _env.STARTUP_TIMEOUT_ENV, 300.0, 1e-3),
+    ("heartbeat_timeout_seconds", _env.HEARTBEAT_TIMEOUT_ENV, 30.0, 1.0),
+    ("collective_timeout_seconds", _env.COLLECTIVE_TIMEOUT_ENV, 0.0, 0),
 )
 
 
@@ -238,7 +238,7 @@ def _create_multi_worker(info):
         raise _peer_errors.worker_unavailable_error(info, e.message, during="startup", timeouts=timeouts) from None
 
 
-JOIN_AT_IMPORT_ENV = "KERAS_DIST_JOIN_AT_IMPORT"
+JOIN_AT_IMPORT_ENV = _env.JOIN_AT_IMPORT_ENV
 
 
 def join_cluster_at_import(orig_argv=None, environ=None):
@@ -289,6 +289,6 @@ def join_cluster_at_import(orig_argv=None, environ=None):
             f"{len(strategy.extended.worker_devices)} and another worker a different number. "
             "Received from TensorFlow: "
             f"{e.message.strip().splitlines()[0][:300]} Fix: give every worker the same devices: the "
-            "same --cpu-replicas (KERAS_DIST_CPU_REPLICAS) and the same number of visible GPUs."
+            f"same --cpu-replicas ({_env.CPU_REPLICAS_ENV}) and the same number of visible GPUs."
         ) from None
     return strategy

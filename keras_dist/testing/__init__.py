@@ -4,6 +4,7 @@ Owns: simulated CPU devices for tests, and numeric comparisons of weights.
 Nothing in the library imports this package.
 """
 
+import keras
 import numpy as np
 
 from keras_dist._runtime.devices import simulate_cpu_replicas as simulate_cpu_devices
@@ -11,7 +12,7 @@ from keras_dist._runtime.devices import simulate_cpu_replicas as simulate_cpu_de
 __all__ = ["max_weight_difference", "simulate_cpu_devices"]
 
 
-def max_weight_difference(model_a, model_b):
+def max_weight_difference(model_a: keras.Model, model_b: keras.Model) -> float:
     """Returns the largest absolute difference between two models' weights.
 
     Args:

@@ -1,4 +1,4 @@
-"""shared/cases/28: setting distribute_reduction_method must change how step outputs combine."""
+"""Setting distribute_reduction_method must change how step outputs combine (plain Keras 3 ignored it; a `train_step` returning the replica id logs 1.0 with "sum", 0.5 with "mean", 0.0 with "first")."""
 
 import keras
 import numpy as np
@@ -47,7 +47,7 @@ class ReplicaIdEvaluation(ReplicaId):
 
 @pytest.mark.parametrize("method, expected", [("sum", 1.0), ("mean", 0.5), ("first", 0.0)])
 def test_evaluate_and_predict_with_each_method(mirrored_1x2_cpu, method, expected):
-    """shared/cases/real r06: evaluate raised "destinations can not be empty" with "sum" or "mean"."""
+    """With `distribute_reduction_method="sum"` or `"mean"`, `evaluate` raised `ValueError: destinations can not be empty`."""
     model = ReplicaIdEvaluation(strategy=mirrored_1x2_cpu)
     model.compile(optimizer="sgd", loss="mse")
     model.distribute_reduction_method = method

@@ -1,4 +1,4 @@
-"""shared/cases/21: an unevenly split global batch must give the global mean's gradient."""
+"""An unevenly split global batch must give the global mean's gradient (plain Keras weighted the replicas' means equally: 7 examples at batch 4 ended with bias -5.886 against -7.433 on one device)."""
 
 import pytest
 from helpers import dense_pair, regression_data

@@ -1,4 +1,4 @@
-"""optimizer(gradient_accumulation_steps=k) under a strategy trains like one device (shared/cases 17)."""
+"""optimizer(gradient_accumulation_steps=k) under a strategy trains like one device (plain Keras crashed: `merge_call` inside a conditional, keras-team/keras#17429)."""
 
 import keras
 import numpy as np

@@ -1,4 +1,4 @@
-"""shared/cases/06: jit_compile=True under a multi-replica strategy crashes in Keras; keras-dist compiles each replica's pass."""
+"""jit_compile=True under a multi-replica strategy crashes in Keras (XLA compiles the step for one device and reaches a variable on another, keras-team/keras#19005); keras-dist compiles each replica's pass."""
 
 import keras
 import numpy as np

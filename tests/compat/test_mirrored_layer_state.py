@@ -1,4 +1,4 @@
-"""shared/cases/14: BatchNormalization moving statistics must be identical on every replica."""
+"""BatchNormalization moving statistics must be identical on every replica (plain Keras: each replica writes its own copy, so `predict` on identical rows depended on the replica)."""
 
 import keras
 import numpy as np

@@ -1,8 +1,8 @@
-"""shared/cases/01 and 02: Keras `fit` under MultiWorkerMirroredStrategy with 2 workers.
+"""Plain Keras `fit` under MultiWorkerMirroredStrategy with 2 workers crashed twice over.
 
-Case 01 (the pre-fit symbolic build reduces a per-replica batch) is prevented by
-`symbolic_build_from_spec`; case 02 (scalar step outputs reduced with `axis=0`)
-by `multi_worker_output_reduction`. With both fixes, the same worker script
+First, before step 1, the pre-fit symbolic build reduced a per-replica batch
+(keras-team/keras#20585): prevented by `symbolic_build_from_spec`; then scalar
+step outputs were reduced with `axis=0`: prevented by `multi_worker_output_reduction`. With both fixes, the same worker script
 matches single-device training (tests/integration/test_multi_worker.py).
 """
 

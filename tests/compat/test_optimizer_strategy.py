@@ -1,4 +1,4 @@
-"""shared/cases/12: an optimizer constructed outside any scope must train under the model's strategy."""
+"""An optimizer constructed outside any scope must train under the model's strategy (plain Keras: "Mixing different tf.distribute.Strategy objects", keras-team/keras#17187)."""
 
 import keras
 import numpy as np

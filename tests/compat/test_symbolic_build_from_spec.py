@@ -1,4 +1,4 @@
-"""shared/cases/19: a first batch smaller than the replica count must train."""
+"""A first batch smaller than the replica count (3 examples, 2 replicas, batch 4) must train; plain Keras crashed in its pre-fit symbolic build (`AddN` shape mismatch)."""
 
 import numpy as np
 import pytest

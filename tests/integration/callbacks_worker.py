@@ -75,7 +75,9 @@ def main(out_dir, scenario):
         callbacks = [StopAtEpochBegin()] if keras_dist.task_id() == 1 else []
     history = model.fit(x, y, batch_size=16, epochs=4, callbacks=callbacks, verbose=0)
     if scenario == "standard":
-        model.save(os.path.join(run, "final.keras"))  # shared/cases 25: every worker calls save on one path.
+        model.save(
+            os.path.join(run, "final.keras")
+        )  # Every worker calls save on one path (plain Keras: HDF5 lock errors, corrupt .keras files).
     info = keras_dist.cluster_info()
     result = {
         "calls": CALLS,

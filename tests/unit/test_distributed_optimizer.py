@@ -161,7 +161,7 @@ def _one_device_loop(optimizer):
 
 @pytest.mark.parametrize("optimizer", ["adam", "momentum"])
 def test_custom_training_loop_with_stateful_optimizer_matches_single_device(mirrored_1x2_cpu, optimizer):
-    """shared/cases 08: strategy.run + model.optimizer.apply_gradients, slots never built by fit."""
+    """A custom loop (tf.function + strategy.run + optimizer.apply_gradients) with Adam or momentum, slots never built by fit: plain Keras crashed building them inside the traced step (keras-team/keras#23085)."""
 
     def make_optimizer():
         return keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.01, momentum=0.9)

@@ -84,7 +84,7 @@ def test_compiled_losses_on_uneven_batches(mirrored_1x3_cpu, loss):
 
 
 def test_scalar_loss_function_stops_at_the_same_epoch(mirrored_1x2_cpu):
-    """shared/cases/real r02: a scalar-returning loss doubled the loss on 2 replicas, so EarlyStopping differed."""
+    """A loss function returning one scalar (`ops.mean` inside it) doubled the gradient and logged loss on 2 replicas, so EarlyStopping stopped at another epoch."""
     x, y = _regression(24, seed=3)
     build = lambda cls, kwargs: _dense(cls, kwargs, _scalar_mse, optimizer=keras.optimizers.SGD(0.3))  # noqa: E731
 
@@ -143,7 +143,7 @@ def _masked_model(cls, kwargs, vocab=5):
 
 @pytest.mark.parametrize("num_examples,batch_size", [(8, 8), (11, 4)], ids=["even", "uneven"])
 def test_masked_loss_is_the_global_token_mean(mirrored_1x2_cpu, num_examples, batch_size):
-    """shared/cases/real r03: each replica averaged over its own tokens (evaluate off by 3.6e-3 on an even split)."""
+    """A masked sequence loss (`Embedding(mask_zero=True)`): each replica averaged over its own tokens (evaluate was off by 3.6e-3 even on an even split)."""
     x, y = _masked_sequences(num_examples)
     reference, model, logs = _train_both(mirrored_1x2_cpu, _masked_model, x, y, batch_size=batch_size)
     _assert_same(reference, model, logs)

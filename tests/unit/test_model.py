@@ -47,7 +47,7 @@ def test_functional_use_does_not_rewire_subclassing(mirrored_1x2_cpu):
 
 @pytest.mark.parametrize("variant", ["lazy_fit_outside", "opt_outside", "compile_outside", "model_outside"])
 def test_variables_distributed_wherever_created(variant, mirrored_1x2_cpu):
-    """shared/cases/12: optimizer, compile or model outside the scope all end up mirrored."""
+    """Plain Keras fails with "Mixing different tf.distribute.Strategy objects" or "Need to be inside strategy.scope()" when the optimizer, `compile` or the model is outside the scope (keras-team/keras#20045, #17187): all end up mirrored."""
     x, y = _xy()
     strategy = mirrored_1x2_cpu
     if variant == "lazy_fit_outside":
@@ -87,7 +87,7 @@ def test_layers_built_before_wrapping_keep_their_objects(mirrored_1x2_cpu):
 
 
 def test_batchnorm_moving_statistics_identical_on_every_replica(mirrored_1x2_cpu, tmp_path):
-    """shared/cases/14: per-replica copies of moving mean/variance must not diverge."""
+    """Plain Keras under MirroredStrategy lets each replica write its own BatchNormalization moving mean/variance, so the copies diverge and `predict` depends on the replica (keras-team/keras#18667): they must not."""
     rs = np.random.RandomState(0)
     x = np.concatenate([rs.randn(4, 3), rs.randn(4, 3) + 10]).astype("float32")
     y = rs.randn(8, 1).astype("float32")
@@ -128,7 +128,7 @@ class ReplicaIdModel(keras_dist.DistributedModel):
 
 @pytest.mark.parametrize("method,expected", [("auto", 0.5), ("mean", 0.5), ("sum", 1.0), ("first", 0.0)])
 def test_distribute_reduction_method_is_honoured(method, expected, mirrored_1x2_cpu):
-    """shared/cases/28: the attribute reads as "auto" and setting it changes the reduction."""
+    """A `train_step` returning the replica id (keras-team/keras#15509): in plain Keras 3 reading `distribute_reduction_method` raised AttributeError and setting it was ignored; it reads as "auto" and setting it changes the reduction."""
     model = ReplicaIdModel(strategy=mirrored_1x2_cpu)
     assert model.distribute_reduction_method == "auto"
     model.compile(optimizer="sgd", loss="mse")

@@ -51,7 +51,7 @@ def test_unknown_names_and_types_are_refused():
     "cls", [tf.distribute.experimental.ParameterServerStrategy, tf.distribute.experimental.CentralStorageStrategy]
 )
 def test_unsupported_strategies_are_refused_up_front(cls):
-    """shared/cases/11: refused before any dataset or step, naming what works."""
+    """`fit` under ParameterServerStrategy (unsupported in Keras 3, keras-team/keras#18624) failed with an opaque dataset error: now refused before any dataset or step, naming what works."""
     strategy = object.__new__(cls)  # isinstance is all the check needs; no cluster is started.
     with pytest.raises(ValueError, match=f"Received: strategy={cls.__name__}.*keras-team/keras#18624"):
         keras_dist.resolve_strategy(strategy)

@@ -1,0 +1,61 @@
+"""Base layer: the name of every `KERAS_DIST_*` environment variable keras_dist reads or sets.
+
+Owns: the names (one constant each) and, for each, who sets it and who reads it.
+Every module of keras_dist takes the names from here, so a name is spelled out
+once. Must not: import anything (TensorFlow and Keras included): the
+`keras-dist` launcher reads these names without loading TensorFlow.
+
+What happens on each worker: every worker reads its own environment; nothing
+here is exchanged between workers.
+
+Example:
+>>> STARTUP_TIMEOUT_ENV
+'KERAS_DIST_STARTUP_TIMEOUT'
+>>> all(name.startswith(PREFIX) for name in ALL)
+True
+"""
+
+PREFIX = "KERAS_DIST_"
+
+# Set by `keras-dist launch --cpu-replicas`, or by the user; applied at `import keras_dist`
+# (keras_dist._runtime.devices): this many simulated CPU replicas.
+CPU_REPLICAS_ENV = "KERAS_DIST_CPU_REPLICAS"
+# Set by `keras-dist launch` (the cores shared out) or the user; applied at `import keras_dist`
+# (keras_dist._runtime.threads): TensorFlow's intra-op and inter-op pool sizes.
+INTRA_OP_THREADS_ENV = "KERAS_DIST_INTRA_OP_THREADS"
+INTER_OP_THREADS_ENV = "KERAS_DIST_INTER_OP_THREADS"
+# Multi-worker timeouts in seconds (keras_dist.strategy._resolve.timeouts_from_environment);
+# `keras-dist launch --startup-timeout/--heartbeat-timeout/--collective-timeout` sets them.
+STARTUP_TIMEOUT_ENV = "KERAS_DIST_STARTUP_TIMEOUT"
+HEARTBEAT_TIMEOUT_ENV = "KERAS_DIST_HEARTBEAT_TIMEOUT"
+COLLECTIVE_TIMEOUT_ENV = "KERAS_DIST_COLLECTIVE_TIMEOUT"
+# `0` skips joining the cluster at `import keras_dist` (keras_dist.strategy._resolve).
+JOIN_AT_IMPORT_ENV = "KERAS_DIST_JOIN_AT_IMPORT"
+# First port of the cluster built from SLURM's variables (keras_dist.strategy._cluster); default 8888.
+SLURM_PORT_BASE_ENV = "KERAS_DIST_SLURM_PORT_BASE"
+# Seconds the workers wait for the chief's writes (keras_dist.callbacks._coordination); default 120.
+WRITE_TIMEOUT_ENV = "KERAS_DIST_WRITE_TIMEOUT"
+# Set by `keras-dist launch`: 0 on the first start, then 1, 2, ... after each restart.
+RESTART_COUNT_ENV = "KERAS_DIST_RESTART_COUNT"
+# Comma-separated names of compatibility fixes to switch off (keras_dist._compat.keras_fixes).
+DISABLE_FIXES_ENV = "KERAS_DIST_DISABLE_FIXES"
+# `all`, or comma-separated names of fixes to keep on outside their verified versions (keras_dist._compat).
+FORCE_FIXES_ENV = "KERAS_DIST_FORCE_FIXES"
+# Non-empty: the chief does not print the distribution plan (keras_dist.strategy._plan, keras_dist.data).
+QUIET_ENV = "KERAS_DIST_QUIET"
+
+ALL = (
+    CPU_REPLICAS_ENV,
+    INTRA_OP_THREADS_ENV,
+    INTER_OP_THREADS_ENV,
+    STARTUP_TIMEOUT_ENV,
+    HEARTBEAT_TIMEOUT_ENV,
+    COLLECTIVE_TIMEOUT_ENV,
+    JOIN_AT_IMPORT_ENV,
+    SLURM_PORT_BASE_ENV,
+    WRITE_TIMEOUT_ENV,
+    RESTART_COUNT_ENV,
+    DISABLE_FIXES_ENV,
+    FORCE_FIXES_ENV,
+    QUIET_ENV,
+)
