@@ -139,8 +139,10 @@ def assert_matches_single_device(
     ...     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     ...     return model
     >>> x = np.random.RandomState(0).rand(10, 3).astype("float32")
-    >>> result = assert_matches_single_device(
-    ...     build, x, x.sum(1, keepdims=True), strategy="one_device", batch_size=4, epochs=2)
+    >>> import contextlib, io
+    >>> with contextlib.redirect_stdout(io.StringIO()):  # fit prints keras-dist's plan once
+    ...     result = assert_matches_single_device(
+    ...         build, x, x.sum(1, keepdims=True), strategy="one_device", batch_size=4, epochs=2)
     >>> result.max_weight_difference < 1e-5
     True
     """
