@@ -6,6 +6,7 @@ import keras
 import numpy as np
 
 import keras_dist
+from keras_dist.testing import clean_env
 
 
 def regression_data(num_examples, seed=0):
@@ -30,9 +31,4 @@ MW_WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "integration", "m
 
 def multi_worker_env(disabled_fixes):
     """Returns the environment for `keras-dist launch` runs of `MW_WORKER` with some fixes disabled."""
-    return {
-        **{k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS")},
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        "KERAS_DIST_QUIET": "1",
-        "KERAS_DIST_DISABLE_FIXES": disabled_fixes,
-    }
+    return clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1", KERAS_DIST_DISABLE_FIXES=disabled_fixes)

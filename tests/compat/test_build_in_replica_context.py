@@ -1,9 +1,9 @@
 """A layer that calls a collective in `call` must build (Keras builds in cross-replica context)."""
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
+from _support import sum_regression
 
 import keras_dist
 from keras_dist import _compat
@@ -32,20 +32,15 @@ def _model(cls, **kwargs):
     return model
 
 
-def _data():
-    x = np.random.RandomState(0).rand(13, 3).astype("float32")
-    return x, x.sum(1, keepdims=True)
-
-
 def test_without_fix_the_build_fails(mirrored_1x2_cpu):
     with _compat.disabled("build_in_replica_context"):
         model = _model(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
         with pytest.raises(RuntimeError, match="Unable to automatically build the model"):
-            model.fit(*_data(), batch_size=4, epochs=1, verbose=0)
+            model.fit(*sum_regression(13, 3), batch_size=4, epochs=1, verbose=0)
 
 
 def test_with_fix_it_trains_like_one_device(mirrored_1x2_cpu):
-    x, y = _data()
+    x, y = sum_regression(13, 3)
     reference, model = _model(keras.Model), _model(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
     model.set_weights(reference.get_weights())
     for m in (reference, model):

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _support import sum_regression
 
 import keras_dist
 from keras_dist import _compat
@@ -30,23 +31,18 @@ def _no_call_model(strategy):
     return model
 
 
-def _data():
-    x = np.random.RandomState(0).rand(8, 3).astype("float32")
-    return x, x.sum(1, keepdims=True)
-
-
 def test_without_fix_fit_cannot_build_the_model(mirrored_1x2_cpu_collective):
     with _compat.disabled("build_without_call"):
         model = _no_call_model(mirrored_1x2_cpu_collective)
         with pytest.raises(RuntimeError, match="Unable to automatically build the model"):
-            model.fit(*_data(), batch_size=4, verbose=0)
+            model.fit(*sum_regression(8, 3), batch_size=4, verbose=0)
 
 
 def test_with_fix_matches_one_device(mirrored_1x2_cpu_collective):
     model = _no_call_model(mirrored_1x2_cpu_collective)
     weights = model.get_weights()
-    model.fit(*_data(), batch_size=4, epochs=2, shuffle=False, verbose=0)
-    x, y = _data()
+    model.fit(*sum_regression(8, 3), batch_size=4, epochs=2, shuffle=False, verbose=0)
+    x, y = sum_regression(8, 3)
     for _ in range(2):  # One device: SGD on the mean squared error of each batch of 4.
         for start in (0, 4):
             xb, yb = x[start : start + 4], y[start : start + 4]

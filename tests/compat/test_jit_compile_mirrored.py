@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _support import sum_regression
 
 import keras_dist
 from keras_dist import _compat
@@ -21,16 +22,14 @@ def _model(strategy, hidden_layer=None):
     return keras_dist.DistributedModel(inputs, outputs, strategy=strategy)
 
 
-def _data(num_examples=58):  # Batches of 16, the last of 10: uneven over 3 replicas (4, 3, 3).
-    x = np.random.RandomState(0).rand(num_examples, 8).astype("float32")
-    return x, x.sum(1, keepdims=True)
+NUM_EXAMPLES = 58  # Batches of 16, the last of 10: uneven over 3 replicas (4, 3, 3).
 
 
 def _trained(strategy, jit_compile, epochs=2):
     keras.utils.set_random_seed(0)
     model = _model(strategy)
     model.compile(optimizer="adam", loss="mse", metrics=["mae"], jit_compile=jit_compile)
-    history = model.fit(*_data(), batch_size=16, epochs=epochs, verbose=0, shuffle=False)
+    history = model.fit(*sum_regression(NUM_EXAMPLES, 8), batch_size=16, epochs=epochs, verbose=0, shuffle=False)
     return model, history.history
 
 
@@ -39,7 +38,7 @@ def test_without_fix_the_first_step_crashes(mirrored_1x2_cpu):
         model = _model(mirrored_1x2_cpu)
         model.compile(optimizer="adam", loss="mse", jit_compile=True)
         with pytest.raises(Exception):  # noqa: B017 (TF raises several types here, by version)
-            model.fit(*_data(), batch_size=16, verbose=0)
+            model.fit(*sum_regression(NUM_EXAMPLES, 8), batch_size=16, verbose=0)
 
 
 @pytest.mark.parametrize("strategy_fixture", ["mirrored_1x2_cpu", "mirrored_1x3_cpu"])
@@ -67,19 +66,19 @@ def test_with_fix_xla_really_compiles_the_replica_pass(mirrored_1x2_cpu):
     model = _model(mirrored_1x2_cpu, hidden_layer=_NotCompilable())
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     with pytest.raises(Exception, match="(?i)xla|compil|unsupported"):
-        model.fit(*_data(), batch_size=16, verbose=0)
+        model.fit(*sum_regression(NUM_EXAMPLES, 8), batch_size=16, verbose=0)
     model.compile(optimizer="sgd", loss="mse", jit_compile=False)
-    model.fit(*_data(), batch_size=16, verbose=0)
+    model.fit(*sum_regression(NUM_EXAMPLES, 8), batch_size=16, verbose=0)
 
 
 def test_auto_and_run_eagerly_do_not_compile(mirrored_1x2_cpu):
     model = _model(mirrored_1x2_cpu)
     model.compile(optimizer="sgd", loss="mse")
     assert model.jit_compile is False
-    model.fit(*_data(), batch_size=16, verbose=0)
+    model.fit(*sum_regression(NUM_EXAMPLES, 8), batch_size=16, verbose=0)
     assert model.__dict__["_keras_dist_forward_backward"] is None
     model.compile(optimizer="sgd", loss="mse", jit_compile=True, run_eagerly=True)
-    model.fit(*_data(), batch_size=16, verbose=0)
+    model.fit(*sum_regression(NUM_EXAMPLES, 8), batch_size=16, verbose=0)
     assert model.__dict__["_keras_dist_forward_backward"] is None
 
 
@@ -154,7 +153,7 @@ def _regularized_two_outputs(strategy):
 
 def test_with_fix_regularizers_and_several_outputs_match_the_uncompiled_step(mirrored_1x2_cpu, tmp_path):
     """Weight regularizers read under the StatelessScope, per-output loss trackers assigned after it; saved as compiled."""
-    x, y = _data(40)
+    x, y = sum_regression(40, 8)
     trained = {}
     for jit_compile in (False, True):
         keras.utils.set_random_seed(0)
@@ -208,4 +207,4 @@ def test_with_fix_what_xla_per_replica_cannot_do_is_refused_when_traced(mirrored
     model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(layer()(inputs)), strategy=mirrored_1x2_cpu)
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     with pytest.raises(ValueError, match=f"(?s){match}"):
-        model.fit(*_data(), batch_size=16, verbose=0)
+        model.fit(*sum_regression(NUM_EXAMPLES, 8), batch_size=16, verbose=0)

@@ -6,19 +6,18 @@ step outputs were reduced with `axis=0`: prevented by `multi_worker_output_reduc
 matches single-device training (tests/integration/test_multi_worker.py).
 """
 
-import subprocess
-import sys
-
 import pytest
 from helpers import MW_WORKER, multi_worker_env
+
+from keras_dist.testing import run_launcher
 
 pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
 
 
 def _launch(tmp_path, disabled_fixes):
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", MW_WORKER, str(tmp_path)]
-    env = multi_worker_env(disabled_fixes)
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
+    return run_launcher(
+        ["--num-workers", "2", MW_WORKER, str(tmp_path)], env=multi_worker_env(disabled_fixes), timeout=110
+    )
 
 
 @pytest.mark.timeout(120)

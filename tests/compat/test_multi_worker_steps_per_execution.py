@@ -1,30 +1,18 @@
 """`steps_per_execution` > 1 under MultiWorkerMirroredStrategy (found by a new-user session)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 from helpers import MW_WORKER, multi_worker_env
+
+from keras_dist.testing import run_launcher
 
 pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
 
 
 def _launch(tmp_path, disabled_fixes):
-    env = multi_worker_env(disabled_fixes)
-    command = [
-        sys.executable,
-        "-m",
-        "keras_dist.cli",
-        "launch",
-        "--num-workers",
-        "2",
-        MW_WORKER,
-        str(tmp_path),
-        "--steps-per-execution",
-        "4",
-    ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
+    launch_args = ["--num-workers", "2", MW_WORKER, str(tmp_path), "--steps-per-execution", "4"]
+    return run_launcher(launch_args, env=multi_worker_env(disabled_fixes), timeout=110)
 
 
 @pytest.mark.timeout(120)

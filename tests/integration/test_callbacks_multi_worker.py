@@ -2,22 +2,21 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 
+from keras_dist.testing import clean_env, run_launcher
+
 pytestmark = pytest.mark.multi_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "callbacks_worker.py")
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 
 
 def _launch(tmp_path, scenario):
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", WORKER, str(tmp_path), scenario]
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=150)
+    result = run_launcher(["--num-workers", "2", WORKER, str(tmp_path), scenario], env=ENV, timeout=150)
     assert result.returncode == 0, result.stdout[-4000:]
     return [json.load(open(tmp_path / f"worker-{i}.json")) for i in range(2)]
 
@@ -95,20 +94,10 @@ else:
 def test_a_save_guarded_by_is_chief_fails_with_the_fix_instead_of_hanging(tmp_path):
     script = tmp_path / "guarded.py"
     script.write_text(GUARDED_SAVE_SCRIPT)
-    command = [
-        sys.executable,
-        "-m",
-        "keras_dist.cli",
-        "launch",
-        "--num-workers",
-        "2",
-        "--grace-period",
-        "2",
-        str(script),
-        str(tmp_path),
-    ]
-    result = subprocess.run(
-        command, env={**ENV, "KERAS_DIST_WRITE_TIMEOUT": "5"}, capture_output=True, text=True, timeout=110
+    result = run_launcher(
+        ["--num-workers", "2", "--grace-period", "2", str(script), str(tmp_path)],
+        env={**ENV, "KERAS_DIST_WRITE_TIMEOUT": "5"},
+        timeout=110,
     )
     assert result.returncode == 1, result.stdout[-3000:]
     assert "the other workers did not join it within 5 s" in result.stdout

@@ -10,27 +10,18 @@ tests/conftest.py). `KNOWN_FAILURES` as in the unit corpus test: strict xfails.
 """
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from corpus import harness
 
+from keras_dist.testing import clean_env, run_launcher
+
 pytestmark = pytest.mark.multi_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "corpus_worker.py")
-ENV = {
-    **{
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS") and not k.endswith("_TIMEOUT")
-    },
-    "TF_CPP_MIN_LOG_LEVEL": "3",
-    "KERAS_DIST_QUIET": "1",
-    "TF_ENABLE_ONEDNN_OPTS": "0",
-}
+ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 # Fast, and one of each way in: distribute(Sequential) with validation_split, a functional
 # model with an adapted Normalization, a subclass with the guide's custom train_step, sample weights.
 PROGRAMS = ["c01_mnist_convnet", "c12_normalization_adapt", "c15_custom_train_step_compute_loss", "c20_sample_weight"]
@@ -45,19 +36,11 @@ def launched(tmp_path_factory):
     for name in PROGRAMS:
         references[name] = harness.run_program(harness.load(name), *harness.one_device_api())
         np.savez(out_dir / f"{name}-initial.npz", *references[name]["initial_weights"])
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", WORKER, str(out_dir), *PROGRAMS]
-    launcher = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = launcher.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        launcher.terminate()  # the launcher forwards SIGTERM to its workers and waits for them
-        try:
-            output, _ = launcher.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            output, _ = launcher.communicate()
-        output = f"timed out after 240 s\n{output}"
-    return references, out_dir, f"exit status {launcher.returncode}\n{output[-6000:]}"
+    result = run_launcher(
+        ["--num-workers", "2", WORKER, str(out_dir), *PROGRAMS], env=ENV, timeout=240, grace_period=20
+    )
+    output = result.stdout + result.stderr  # stderr ends with the timeout's note, if any
+    return references, out_dir, f"exit status {result.returncode}\n{output[-6000:]}"
 
 
 def _params():

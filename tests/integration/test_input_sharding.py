@@ -7,21 +7,18 @@ records, per replica, which example ids it trained on (summed over workers).
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import sharding_workload
 import tfds_local
 
+from keras_dist.testing import clean_env, run_launcher
+
 pytestmark = pytest.mark.multi_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENV = {
-    **{k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS", "KERAS_DIST_QUIET")},
-    "TF_CPP_MIN_LOG_LEVEL": "3",
-}
+ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3")
 
 
 @pytest.fixture(scope="module")
@@ -34,20 +31,10 @@ def tfds_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=[1, 2], ids=["multi_worker_2x1_cpu", "multi_worker_2x2_cpu"])
 def run(request, tmp_path_factory, tfds_dir):
     out = tmp_path_factory.mktemp(f"sharding-2x{request.param}")
-    command = [
-        sys.executable,
-        "-m",
-        "keras_dist.cli",
-        "launch",
-        "--num-workers",
-        "2",
-        "--cpu-replicas",
-        str(request.param),
-        os.path.join(HERE, "sharding_worker.py"),
-        str(out),
-        tfds_dir,
-    ]
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=280)
+    launch_args = ["--num-workers", "2", "--cpu-replicas", str(request.param)]
+    result = run_launcher(
+        [*launch_args, os.path.join(HERE, "sharding_worker.py"), str(out), tfds_dir], env=ENV, timeout=280
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     outputs = [json.loads((out / f"worker-{i}.json").read_text()) for i in range(2)]
     return request.param, outputs, result.stdout + result.stderr

@@ -14,14 +14,12 @@ import time
 import pytest
 
 from keras_dist.cli.launch import find_free_ports
+from keras_dist.testing import clean_env, run_launcher
 
 pytestmark = pytest.mark.multi_worker
 
 LAUNCHER = [sys.executable, "-m", "keras_dist.cli", "launch"]
-ENV = {
-    **{k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS")},
-    "TF_CPP_MIN_LOG_LEVEL": "3",
-}
+ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 
 # Shared by the worker scripts: who am I, and a helper to wait for a file.
 PREAMBLE = """
@@ -50,14 +48,7 @@ def _script(tmp_path, body):
 
 
 def _run(options, script_and_args, timeout=60):
-    return subprocess.run(
-        [*LAUNCHER, *options, *script_and_args], env=ENV, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def _worker_lines(stdout, task_id):
-    prefix = f"[worker:{task_id}] "
-    return [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
+    return run_launcher([*options, *script_and_args], env=ENV, timeout=timeout)
 
 
 def _assert_gone(pid):
@@ -88,7 +79,7 @@ sys.stdout.write("last line without newline")
     assert result.returncode == 0, result.stdout + result.stderr
     reports = []
     for task_id in (0, 1):
-        lines = _worker_lines(result.stdout, task_id)
+        lines = result.worker_lines(task_id)
         assert sorted(lines[1:]) == ["last line without newline", "to stderr"], result.stdout
         reports.append(json.loads(lines[0]))
     assert [report["task"] for report in reports] == [{"type": "worker", "index": i} for i in (0, 1)]
@@ -101,16 +92,9 @@ sys.stdout.write("last line without newline")
 @pytest.mark.timeout(90)
 def test_module_mode_runs_python_dash_m(tmp_path):
     (tmp_path / "my_trainer.py").write_text("import os; print('module', os.environ.get('KERAS_DIST_CPU_REPLICAS'))\n")
-    result = subprocess.run(
-        [*LAUNCHER, "--num-workers", "1", "-m", "my_trainer"],
-        env=ENV,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_launcher(["--num-workers", "1", "-m", "my_trainer"], env=ENV, cwd=tmp_path, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert _worker_lines(result.stdout, 0) == ["module None"]
+    assert result.worker_lines(0) == ["module None"]
 
 
 @pytest.mark.timeout(90)
@@ -201,6 +185,6 @@ print(os.environ["TF_CONFIG"])
     workers = [f"127.0.0.1:{port}" for port in find_free_ports(2)]
     result = _run(["--workers", ",".join(workers), "--task-index", "1"], [script, str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert _worker_lines(result.stdout, 0) == []
-    (line,) = _worker_lines(result.stdout, 1)
+    assert result.worker_lines(0) == []
+    (line,) = result.worker_lines(1)
     assert json.loads(line) == {"cluster": {"worker": workers}, "task": {"type": "worker", "index": 1}}

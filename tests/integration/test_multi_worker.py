@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import keras
 import mw_workload
@@ -18,25 +17,17 @@ import numpy as np
 import pytest
 
 from keras_dist.cli.launch import build_cluster_spec, build_worker_env, find_free_ports
+from keras_dist.testing import clean_env, run_launcher, run_workers
 
 pytestmark = pytest.mark.multi_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "mw_worker.py")
-ENV = {
-    **{
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS") and not k.endswith("_TIMEOUT")
-    },
-    "TF_CPP_MIN_LOG_LEVEL": "3",
-    "KERAS_DIST_QUIET": "1",
-}
+ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 
 
 def _launch(options, script_args, timeout, env=None):
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", *options, WORKER, *script_args]
-    return subprocess.run(command, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    return run_launcher([*options, WORKER, *script_args], env={**ENV, **(env or {})}, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -111,47 +102,16 @@ def test_sparse_gradients_on_two_workers_match_single_device(tmp_path):
             np.testing.assert_allclose(w_got, w_ref, rtol=1e-5, atol=1e-5)
 
 
-def _start_workers(tmp_path, num_workers, task_ids, script_args, env):
-    cluster = build_cluster_spec(ports=find_free_ports(num_workers))
-    processes = {}
-    for task_id in task_ids:
-        worker_env = build_worker_env({**ENV, **env}, cluster_spec=cluster, task_id=task_id)
-        log = open(tmp_path / f"worker-{task_id}.log", "w")
-        processes[task_id] = (
-            subprocess.Popen(
-                [sys.executable, WORKER, *script_args], env=worker_env, stdout=log, stderr=subprocess.STDOUT
-            ),
-            log,
-        )
-    return processes
-
-
-def _wait_all(processes, timeout):
-    deadline = time.monotonic() + timeout
-    try:
-        return {
-            task_id: process.wait(timeout=max(deadline - time.monotonic(), 1))
-            for task_id, (process, _) in processes.items()
-        }
-    finally:
-        for process, log in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
-
-
 @pytest.mark.timeout(120)
 def test_worker_killed_mid_epoch_fails_the_others_naming_it(tmp_path):
-    processes = _start_workers(
-        tmp_path,
-        2,
-        [0, 1],
+    result = run_workers(
+        WORKER,
         [str(tmp_path), "--die-at-batch", "5", "--die-task-id", "1"],
-        {"KERAS_DIST_HEARTBEAT_TIMEOUT": "5"},
+        env={**ENV, "KERAS_DIST_HEARTBEAT_TIMEOUT": "5"},
+        timeout=100,  # worker 0 would train 1000 epochs if not stopped
+        stop_on_failure=False,
     )
-    returncodes = _wait_all(processes, timeout=100)  # worker 0 would train 1000 epochs if not stopped
-    log = (tmp_path / "worker-0.log").read_text()
+    returncodes, log = result.returncodes, result[0].output
     assert returncodes[1] == -9
     assert returncodes[0] == 1, log[-3000:]
     assert "WorkerUnavailableError: [worker:0] worker:1 (127.0.0.1:" in log, log[-3000:]
@@ -161,9 +121,16 @@ def test_worker_killed_mid_epoch_fails_the_others_naming_it(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("started, missing", [(0, 1), (1, 0)], ids=["worker_1_missing", "leader_missing"])
 def test_worker_never_started_fails_the_others_naming_it(tmp_path, started, missing):
-    processes = _start_workers(tmp_path, 2, [started], [str(tmp_path)], {"KERAS_DIST_STARTUP_TIMEOUT": "5"})
-    returncodes = _wait_all(processes, timeout=100)
-    log = (tmp_path / f"worker-{started}.log").read_text()
+    result = run_workers(
+        WORKER,
+        [str(tmp_path)],
+        num_workers=2,
+        task_ids=[started],
+        env={**ENV, "KERAS_DIST_STARTUP_TIMEOUT": "5"},
+        timeout=100,
+        stop_on_failure=False,
+    )
+    returncodes, log = result.returncodes, result[started].output
     assert returncodes[started] == 1, log[-3000:]
     assert f"WorkerUnavailableError: [worker:{started}] worker:{missing} (127.0.0.1:" in log, log[-3000:]
     assert "did not join the cluster within 5 s (KERAS_DIST_STARTUP_TIMEOUT)" in log
@@ -222,9 +189,9 @@ def test_tensorflow_op_before_import_says_what_to_move():
 @pytest.mark.timeout(150)
 def test_main_example_runs_unchanged_on_two_workers():
     example = os.path.join(HERE, os.pardir, os.pardir, "examples", "digits_cnn.py")
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", example, "--smoke"]
-    env = {k: v for k, v in ENV.items() if k != "KERAS_DIST_QUIET"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=140)
+    result = run_launcher(
+        ["--num-workers", "2", example, "--smoke"], env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), timeout=140
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines.count("[worker:0] keras-dist plan") == 1 and "[worker:1] keras-dist plan" not in lines
@@ -261,8 +228,7 @@ model.fit(ids, np.zeros_like(ids), batch_size=16, epochs=2, verbose=0)  # shuffl
 def test_unseeded_numpy_shuffle_sees_every_example_once_per_epoch(tmp_path):
     script = tmp_path / "seen_ids.py"
     script.write_text(SEEN_IDS_SCRIPT)
-    command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", str(script), str(tmp_path)]
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
+    result = run_launcher(["--num-workers", "2", str(script), str(tmp_path)], env=ENV, timeout=110)
     assert result.returncode == 0, result.stdout[-3000:]
     rows = {
         i: [[int(v) for v in line.strip("[]\n").split()] for line in open(tmp_path / f"seen-{i}.txt") if line.strip()]
@@ -291,18 +257,7 @@ model.evaluate(x, x[:, :1], batch_size=8, verbose=0)
 def test_workers_running_different_programs_get_a_clear_error(tmp_path):
     script = tmp_path / "mismatched.py"
     script.write_text(MISMATCHED_SCRIPT)
-    command = [
-        sys.executable,
-        "-m",
-        "keras_dist.cli",
-        "launch",
-        "--num-workers",
-        "2",
-        "--grace-period",
-        "3",
-        str(script),
-    ]
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
+    result = run_launcher(["--num-workers", "2", "--grace-period", "3", str(script)], env=ENV, timeout=110)
     assert result.returncode == 1, result.stdout[-3000:]
     assert "The workers are out of step: another worker ran a different collective" in result.stdout
 
@@ -356,19 +311,9 @@ def test_workers_giving_gradients_to_different_variables_fail_naming_them(tmp_pa
             'Dense(1, name="second_worker_only")', 'Dense(1, use_bias=False, name="second_worker_only")'
         )
     script.write_text(source)
-    command = [
-        sys.executable,
-        "-m",
-        "keras_dist.cli",
-        "launch",
-        "--num-workers",
-        "2",
-        "--grace-period",
-        "3",
-        str(script),
-        str(accumulation),
-    ]
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=110)
+    result = run_launcher(
+        ["--num-workers", "2", "--grace-period", "3", str(script), str(accumulation)], env=ENV, timeout=110
+    )
     assert result.returncode == 1, result.stdout[-3000:]
     assert "finished without error" not in result.stdout
     if not second_bias:

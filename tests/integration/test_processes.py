@@ -7,7 +7,9 @@ import sys
 import pytest
 import tensorflow as tf
 
-ENV = {k: v for k, v in os.environ.items() if k not in ("KERAS_DIST_CPU_REPLICAS", "TF_CONFIG", "KERAS_DIST_QUIET")}
+from keras_dist.testing import clean_env
+
+ENV = clean_env()
 
 
 def _run(code, timeout=110, **env):

@@ -2,32 +2,20 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from keras_dist.testing import clean_env, run_launcher
+
 pytestmark = pytest.mark.multi_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1"}
+ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 
 
 def _launch(out_dir, scenario, *options):
-    command = [
-        sys.executable,
-        "-m",
-        "keras_dist.cli",
-        "launch",
-        "--num-workers",
-        "2",
-        *options,
-        WORKER,
-        str(out_dir),
-        scenario,
-    ]
-    return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=150)
+    return run_launcher(["--num-workers", "2", *options, WORKER, str(out_dir), scenario], env=ENV, timeout=150)
 
 
 def _results(out_dir):

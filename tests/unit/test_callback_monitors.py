@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _support import sum_regression
 
 import keras_dist
 from keras_dist import errors
@@ -26,29 +27,30 @@ def _model(strategy, learning_rate=0.1, **compile_kwargs):
     return model
 
 
-def _data(n=64):
-    x = np.random.RandomState(0).rand(n, 3).astype("float32")
-    return x, x.sum(1, keepdims=True)
-
-
 def test_warmup_reaches_the_linearly_scaled_rate_step_by_step(mirrored_1x2_cpu):
     """Goyal et al. 2017: k = num_replicas_in_sync by default; linear in steps; left alone afterwards."""
     model, record = _model(mirrored_1x2_cpu), RecordLearningRate()
-    model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[LearningRateWarmup(warmup_steps=4), record])
+    model.fit(
+        *sum_regression(64, 3),
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        callbacks=[LearningRateWarmup(warmup_steps=4), record],
+    )
     np.testing.assert_allclose(record.rates, [0.1, 0.125, 0.15, 0.175, 0.2, 0.2, 0.2, 0.2], rtol=1e-6)
 
 
 def test_warmup_with_a_base_batch_size_and_epochs(mirrored_1x2_cpu):
     model, record = _model(mirrored_1x2_cpu), RecordLearningRate()
     warmup = LearningRateWarmup(warmup_epochs=0.5, base_batch_size=4)  # global batch 16: k = 4; 4 steps per epoch
-    history = model.fit(*_data(), batch_size=16, epochs=2, verbose=0, callbacks=[warmup, record])
+    history = model.fit(*sum_regression(64, 3), batch_size=16, epochs=2, verbose=0, callbacks=[warmup, record])
     np.testing.assert_allclose(record.rates, [0.1, 0.25, 0.4, 0.4, 0.4, 0.4, 0.4, 0.4], rtol=1e-6)
     assert history.history["learning_rate"] == pytest.approx([0.4, 0.4])
 
 
 def test_warmup_continues_where_a_restored_run_left_it(mirrored_1x2_cpu):
     model, first, second = _model(mirrored_1x2_cpu), RecordLearningRate(), RecordLearningRate()
-    x, y = _data()
+    x, y = sum_regression(64, 3)
     model.fit(x[:16], y[:16], batch_size=8, epochs=1, verbose=0, callbacks=[LearningRateWarmup(warmup_steps=4), first])
     model.fit(x[:32], y[:32], batch_size=8, epochs=1, verbose=0, callbacks=[LearningRateWarmup(warmup_steps=4), second])
     np.testing.assert_allclose(first.rates + second.rates, [0.1, 0.125, 0.15, 0.175, 0.2, 0.2], rtol=1e-6)
@@ -68,12 +70,14 @@ def test_warmup_refuses_a_schedule(mirrored_1x2_cpu):
     model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
     model.compile(optimizer=keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)), loss="mse")
     with pytest.raises(ValueError, match="LearningRateSchedule does not allow"):
-        model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[LearningRateWarmup(warmup_steps=2)])
+        model.fit(
+            *sum_regression(64, 3), batch_size=8, epochs=1, verbose=0, callbacks=[LearningRateWarmup(warmup_steps=2)]
+        )
 
 
 def test_throughput_monitor_logs_rates_and_percentiles(mirrored_1x2_cpu):
     model = _model(mirrored_1x2_cpu)
-    history = model.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[ThroughputMonitor()])
+    history = model.fit(*sum_regression(64, 3), batch_size=8, epochs=2, verbose=0, callbacks=[ThroughputMonitor()])
     logs = history.history
     assert all(v > 0 for v in logs["examples_per_second"])
     np.testing.assert_allclose(np.array(logs["examples_per_second"]) / 2, logs["examples_per_second_per_replica"])
@@ -83,7 +87,7 @@ def test_throughput_monitor_logs_rates_and_percentiles(mirrored_1x2_cpu):
 def test_throughput_monitor_arithmetic_on_a_fake_clock(mirrored_1x2_cpu, monitor_clock):
     """Every step takes 0.5 s on the fake clock: 8 examples / 0.5 s = 16 examples/s, p50 = p90 = 0.5 s."""
     model = _model(mirrored_1x2_cpu)
-    logs = model.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[ThroughputMonitor()]).history
+    logs = model.fit(*sum_regression(64, 3), batch_size=8, epochs=2, verbose=0, callbacks=[ThroughputMonitor()]).history
     np.testing.assert_allclose(logs["examples_per_second"], [16.0, 16.0])
     np.testing.assert_allclose(logs["examples_per_second_per_replica"], [8.0, 8.0])
     np.testing.assert_allclose(logs["step_seconds_p50"] + logs["step_seconds_p90"], [0.5] * 4)
@@ -139,11 +143,11 @@ def test_throughput_monitor_model_flops_utilization(mirrored_1x2_cpu):
     """MFU = flops_per_example x examples/s / (peak x replicas) (PaLM, appendix B); no peak on CPU, no MFU."""
     model = _model(mirrored_1x2_cpu)
     monitor = ThroughputMonitor(flops_per_example=6 * 4, peak_flops_per_second=1e9)
-    logs = model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[monitor]).history
+    logs = model.fit(*sum_regression(64, 3), batch_size=8, epochs=1, verbose=0, callbacks=[monitor]).history
     np.testing.assert_allclose(logs["model_flops_per_second"], np.array(logs["examples_per_second"]) * 24)
     np.testing.assert_allclose(logs["model_flops_utilization"], np.array(logs["model_flops_per_second"]) / 2e9)
     without_peak = model.fit(
-        *_data(), batch_size=8, epochs=1, verbose=0, callbacks=[ThroughputMonitor(flops_per_example=24)]
+        *sum_regression(64, 3), batch_size=8, epochs=1, verbose=0, callbacks=[ThroughputMonitor(flops_per_example=24)]
     )
     assert "model_flops_per_second" in without_peak.history and "model_flops_utilization" not in without_peak.history
     with pytest.raises(ValueError, match="`flops_per_example` must be a number > 0"):
@@ -177,7 +181,11 @@ def test_warmup_hands_over_to_a_later_scheduler_and_counts_micro_batches(mirrore
     model, record = _model(mirrored_1x2_cpu), RecordLearningRate()
     scheduler = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr if epoch == 0 else 0.05)
     model.fit(
-        *_data(), batch_size=8, epochs=2, verbose=0, callbacks=[LearningRateWarmup(warmup_epochs=1), scheduler, record]
+        *sum_regression(64, 3),
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+        callbacks=[LearningRateWarmup(warmup_epochs=1), scheduler, record],
     )
     np.testing.assert_allclose(record.rates[:8], [0.1 + 0.1 * s / 8 for s in range(8)], rtol=1e-6)
     np.testing.assert_allclose(record.rates[8:], [0.05] * 8, rtol=1e-6)  # The scheduler's rate, not the warm-up's.
@@ -187,7 +195,11 @@ def test_warmup_hands_over_to_a_later_scheduler_and_counts_micro_batches(mirrore
     accumulating.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
     record = RecordLearningRate()
     accumulating.fit(
-        *_data(), batch_size=8, epochs=2, verbose=0, callbacks=[LearningRateWarmup(warmup_epochs=1), record]
+        *sum_regression(64, 3),
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+        callbacks=[LearningRateWarmup(warmup_epochs=1), record],
     )
     np.testing.assert_allclose(record.rates[8:], [0.2] * 8, rtol=1e-6)  # Warm-up over the first epoch's 8 batches.
 
@@ -195,7 +207,7 @@ def test_warmup_hands_over_to_a_later_scheduler_and_counts_micro_batches(mirrore
 def test_throughput_monitor_without_a_known_global_batch_size(mirrored_1x2_cpu):
     """A dataset with no static batch dimension: examples/s left out with a warning, unless given."""
     model = _model(mirrored_1x2_cpu)
-    x, y = _data()
+    x, y = sum_regression(64, 3)
     examples = tf.data.Dataset.from_tensor_slices((x, y))
     batches = keras_dist.data.bucket_by_length(examples, boundaries=[4], global_batch_size=8, length_fn=lambda a, b: 3)
     with pytest.warns(

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _support import sum_regression
 
 import keras_dist
 from keras_dist.testing import max_weight_difference
@@ -40,16 +41,11 @@ def _model(model_class, optimizer, **kwargs):
     return model
 
 
-def _data(num_examples=32):
-    x = np.random.RandomState(0).rand(num_examples, 4).astype("float32")
-    return x, x.sum(1, keepdims=True)
-
-
 @pytest.mark.parametrize("steps", [None, 2, 4])
 def test_accumulation_all_reduces_gradients_once_per_k_micro_batches(steps):
     counting = CountingReduction()
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=counting)
-    x, y = _data(64)  # 8 micro-batches of 8 per epoch
+    x, y = sum_regression(64, 4)  # 8 micro-batches of 8 per epoch
     model = _model(
         keras_dist.DistributedModel, keras.optimizers.Adam(0.05, gradient_accumulation_steps=steps), strategy=strategy
     )
@@ -70,7 +66,7 @@ def test_accumulation_with_ema_and_weight_decay_matches_single_device(mirrored_1
             0.05, weight_decay=0.1, use_ema=True, ema_overwrite_frequency=3, gradient_accumulation_steps=2
         )
 
-    x, y = _data(48)
+    x, y = sum_regression(48, 4)
     model = _model(keras_dist.DistributedModel, optimizer(), strategy=mirrored_1x2_cpu)
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     reference = _model(keras.Model, optimizer())
@@ -104,7 +100,7 @@ class UserDistributedModel(_ClippingTrainStep, keras_dist.DistributedModel):
 
 @pytest.mark.parametrize("clipping", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05}, {"clipvalue": 0.01}])
 def test_user_train_step_clips_the_global_gradient(multi_replica_strategy, clipping):
-    x, y = _data(36)
+    x, y = sum_regression(36, 4)
     model = _model(UserDistributedModel, keras.optimizers.SGD(0.5, **clipping), strategy=multi_replica_strategy)
     model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
     reference = _model(UserModel, keras.optimizers.SGD(0.5, **clipping))
@@ -114,7 +110,7 @@ def test_user_train_step_clips_the_global_gradient(multi_replica_strategy, clipp
 
 def _custom_loop(strategy, optimizer, wrap=False, compiled=False):
     """strategy.run + optimizer.apply_gradients; `compiled`: on a compiled DistributedModel's `model.optimizer`."""
-    x, y = _data(32)
+    x, y = sum_regression(32, 4)
     if compiled:
         inputs = keras.Input((4,))
         model = keras_dist.DistributedModel(
@@ -147,7 +143,7 @@ def _custom_loop(strategy, optimizer, wrap=False, compiled=False):
 
 
 def _one_device_loop(optimizer):
-    x, y = _data(32)
+    x, y = sum_regression(32, 4)
     inputs = keras.Input((4,))
     model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
     optimizer = optimizer()
@@ -240,7 +236,7 @@ def test_accumulation_applies_constraints_on_every_micro_batch(multi_replica_str
         output = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(hidden)
         model = model_class(inputs, output, **kwargs)
         model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
-        x, y = _data(48)
+        x, y = sum_regression(48, 4)
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         return model
 
@@ -258,7 +254,7 @@ def test_recompiling_mid_cycle_keeps_the_pending_sums(mirrored_1x2_cpu):
         output = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))(base(inputs))
         model = model_class(inputs, output, **kwargs)
         model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
-        x, y = _data(24)
+        x, y = sum_regression(24, 4)
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # 3 micro-batches: 1 pending
         base.trainable = False
         model.compile(optimizer=model.optimizer, loss="mse")
@@ -281,7 +277,7 @@ def test_loss_scale_optimizer_around_an_accumulating_optimizer_matches_single_de
         model = model_class(inputs, output, **kwargs)
         inner = keras.optimizers.Adam(0.05, gradient_accumulation_steps=2)
         model.compile(optimizer=keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**6), loss="mse")
-        x, y = _data(40)
+        x, y = sum_regression(40, 4)
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         return model
 

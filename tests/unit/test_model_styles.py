@@ -12,17 +12,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _support import sum_regression
 
 import keras_dist
 from keras_dist.testing import max_weight_difference
 
 Functional = keras.src.models.functional.Functional
-
-
-def _data(num_examples=16, features=3, seed=0):
-    rs = np.random.RandomState(seed)
-    x = rs.rand(num_examples, features).astype("float32")
-    return x, x.sum(1, keepdims=True).astype("float32")
 
 
 def _two_parts(base):
@@ -41,7 +36,7 @@ def _two_parts(base):
 
 def _fit_pair(make, strategy, *, batch_size=8, epochs=2):
     """Fits `make(keras.Model, {})` on one device and `make(DistributedModel, {"strategy": ...})` from the same weights."""
-    x, y = _data()
+    x, y = sum_regression(16, 3)
     keras.utils.set_random_seed(7)
     reference = make(keras.Model, {})
     keras.utils.set_random_seed(7)
@@ -256,7 +251,7 @@ def test_model_without_call_with_unbuilt_parts_matches_one_device(
         model.compile(optimizer=keras.optimizers.Adam(0.01))
         return model
 
-    x, y = _data()
+    x, y = sum_regression(16, 3)
     keras.utils.set_random_seed(5)
     reference = make(keras.Model)
     keras.utils.set_random_seed(5)
@@ -288,7 +283,7 @@ def test_multi_optimizer_created_outside_the_scope_is_placed(mirrored_1x2_cpu):
     model = _body_head(keras_dist.DistributedModel, {"strategy": mirrored_1x2_cpu})
     optimizer = _multi_optimizer()
     model.compile(optimizer=optimizer, loss="mse")
-    x, y = _data()
+    x, y = sum_regression(16, 3)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert [o._distribution_strategy for o in (optimizer, *optimizer.optimizers)] == [mirrored_1x2_cpu] * 3
     assert all(isinstance(v.value, tf.distribute.DistributedValues) for v in optimizer.variables)
@@ -303,7 +298,7 @@ def test_multi_optimizer_built_outside_the_scope_is_placed(mirrored_1x2_cpu):
     optimizer = _multi_optimizer()
     optimizer.build(model.trainable_variables)
     model.compile(optimizer=optimizer, loss="mse")
-    x, y = _data()
+    x, y = sum_regression(16, 3)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert all(isinstance(v.value, tf.distribute.DistributedValues) for v in optimizer.variables)
     assert [int(o.iterations.numpy()) for o in (optimizer, *optimizer.optimizers)] == [2, 2, 2]
@@ -313,7 +308,7 @@ def test_multi_optimizer_matches_one_device(mirrored_1x2_cpu):
     reference = _body_head(keras.Model, {})
     model = _body_head(keras_dist.DistributedModel, {"strategy": mirrored_1x2_cpu})
     model.set_weights(reference.get_weights())
-    x, y = _data()
+    x, y = sum_regression(16, 3)
     for m in (reference, model):
         m.compile(optimizer=_multi_optimizer(), loss="mse")
         m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)

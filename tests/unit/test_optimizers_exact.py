@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _support import sum_regression
 from keras import ops
 
 import keras_dist
@@ -30,13 +31,8 @@ def _model(model_class, **kwargs):
     return model_class(inputs, outputs, **kwargs)
 
 
-def _data():
-    x = np.random.RandomState(0).rand(NUM_EXAMPLES, 4).astype("float32")
-    return x, x.sum(1, keepdims=True)
-
-
 def _fit(model, epochs=1):
-    x, y = _data()
+    x, y = sum_regression(NUM_EXAMPLES, 4)
     model.fit(x, y, batch_size=BATCH_SIZE, epochs=epochs, shuffle=False, verbose=0)
     return model
 
@@ -247,7 +243,7 @@ def test_loss_scale_optimizer_dynamic_scaling_matches_one_device(multi_replica_s
         model = model_class(inputs, outputs, **kwargs)
         optimizer = O.LossScaleOptimizer(O.Adam(0.05), initial_scale=2.0**6, dynamic_growth_steps=2)
         model.compile(optimizer=optimizer, loss="mse")
-        x, y = _data()
+        x, y = sum_regression(NUM_EXAMPLES, 4)
         x[10] = 7e4  # Beyond float16: the second batch's gradient is inf on every split of it.
         model.fit(x, y, batch_size=BATCH_SIZE, epochs=2, shuffle=False, verbose=0)
         return model

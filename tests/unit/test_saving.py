@@ -1,6 +1,5 @@
 """Save/load round trips: `.keras` files and weights-only, across replica counts."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_dist
-from keras_dist.testing import max_weight_difference
+from keras_dist.testing import clean_env, max_weight_difference
 
 
 def _trained_functional(strategy):
@@ -99,9 +98,12 @@ def test_loads_in_a_plain_single_device_process(mirrored_1x2_cpu, tmp_path):
         print("LOADED_OK", type(loaded).__name__)
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_DIST_CPU_REPLICAS", "TF_CONFIG")}
     result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=110
+        [sys.executable, "-c", script, str(tmp_path)],
+        env=clean_env(KERAS_DIST_QUIET="1"),
+        capture_output=True,
+        text=True,
+        timeout=110,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LOADED_OK DistributedModel" in result.stdout

@@ -1,0 +1,27 @@
+"""Builders the test files share (test-only; users' helpers live in `keras_dist.testing`).
+
+Importable from any test file as `from _support import ...` (tests/ is on the path:
+tests/conftest.py sits there).
+"""
+
+import numpy as np
+
+
+def sum_regression(num_examples, features, seed=0):
+    """Returns `(x, y)`: `x` uniform in [0, 1), `y` the sum of each row's features.
+
+    Args:
+        num_examples: Integer, the number of rows.
+        features: Integer, the number of columns of `x`.
+        seed: Integer for `np.random.RandomState`. Defaults to 0.
+
+    Returns:
+        `x` float32 of shape `(num_examples, features)`, `y` float32 of shape `(num_examples, 1)`.
+
+    Example:
+    >>> x, y = sum_regression(4, 3)
+    >>> x.shape, y.shape, x.dtype.name, y.dtype.name
+    ((4, 3), (4, 1), 'float32', 'float32')
+    """
+    x = np.random.RandomState(seed).rand(num_examples, features).astype("float32")
+    return x, x.sum(1, keepdims=True)
