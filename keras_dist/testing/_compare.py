@@ -146,7 +146,8 @@ def assert_matches_single_device(
     >>> result.max_weight_difference < 1e-5
     True
     """
-    import keras_dist  # the package's top level; importing it here keeps `keras_dist.testing` light
+    from keras_dist._model import DistributedModel  # Imported here: keeps `keras_dist.testing` light to import.
+    from keras_dist._wrap import distribute
 
     for name, value in (("atol", atol), ("rtol", rtol), ("logs_atol", logs_atol), ("logs_rtol", logs_rtol)):
         if value is not None and not value >= 0:
@@ -175,10 +176,10 @@ def assert_matches_single_device(
             keras.utils.set_random_seed(seed)
         if takes_model_class:
             if distributed:
-                return build_model(keras_dist.DistributedModel, strategy=strategy)
+                return build_model(DistributedModel, strategy=strategy)
             return build_model(keras.Model)
         model = build_model()
-        return keras_dist.distribute(model, strategy=strategy) if distributed else model
+        return distribute(model, strategy=strategy) if distributed else model
 
     reference = build(False)
     model = build(True)
