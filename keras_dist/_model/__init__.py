@@ -371,4 +371,4 @@ class DistributedModel(keras.Model):
         return super().make_predict_function(force=force)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        placement.symbolic_build(self, iterator=iterator, data_batch=data_batch)
+        placement.build(self, iterator=iterator, data_batch=data_batch)

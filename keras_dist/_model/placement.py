@@ -9,7 +9,7 @@ when nothing moved.
 """
 
 from keras_dist import _compat
-from keras_dist._runtime import build_context, empty_batch, steps, variables
+from keras_dist._runtime import build_context, empty_batch, symbolic_build, variables
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import layers as runtime_layers
 from keras_dist.collectives import _optimizer as collectives_optimizer
@@ -78,19 +78,19 @@ def _decorrelate_seeds(model, candidates):
             done[id(v)] = v.value
 
 
-def symbolic_build(model, iterator=None, data_batch=None):
+def build(model, iterator=None, data_batch=None):
     """`DistributedModel._maybe_symbolic_build`: Keras' pre-build of model, metric and optimizer state, fixed."""
     distribute_state(model)  # Layers built after compile (outside the scope) move before the optimizer builds.
-    if not steps.has_own_call(model) and _compat.is_active("build_without_call"):
+    if not symbolic_build.has_own_call(model) and _compat.is_active("build_without_call"):
         with model._distribute_strategy.scope():
-            steps.build_without_call(model)
+            symbolic_build.build_without_call(model)
     elif not _compat.is_active("symbolic_build_from_spec"):
-        steps.maybe_symbolic_build(model, iterator=iterator, data_batch=data_batch)
+        symbolic_build.maybe_symbolic_build(model, iterator=iterator, data_batch=data_batch)
     else:
         if iterator is not None:
             data_batch = ki.dataset_element_spec(iterator)
         with _build_context(model):
-            steps.symbolic_build_from_spec(
+            symbolic_build.symbolic_build_from_spec(
                 model, data_batch, composite_inputs=_compat.is_active("ragged_symbolic_build")
             )
     distribute_state(model)

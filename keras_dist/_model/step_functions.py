@@ -1,6 +1,6 @@
 """The functions `fit`/`evaluate` call per execution, built from a replica step.
 
-Keras' own factory builds them (`_runtime.steps.make_step_function`). What is
+Keras' own factory builds them (`_runtime.trainer_functions.make_step_function`). What is
 decided here: whether the step is the user's own (then made exact for the
 global batch, `user_step`), how the values a user's step returns are reduced
 over the replicas (`distribute_reduction_method`), and the replica axis
@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from keras_dist import _compat, errors
 from keras_dist._model import user_step
-from keras_dist._runtime import steps, variables
+from keras_dist._runtime import trainer_functions, variables
 
 REDUCTION_METHODS = ("auto", "mean", "sum", "first")
 
@@ -28,7 +28,7 @@ def make(model, replica_step, *, user_written):
     """
     if user_written:
         replica_step = user_step.exact_for_global_batch(model, replica_step)
-    return steps.make_step_function(
+    return trainer_functions.make_step_function(
         model,
         lambda data: _reduce_in_replica_context(model, replica_step(data), user_written=user_written),
         add_replica_axis=_compat.is_active("multi_worker_output_reduction")

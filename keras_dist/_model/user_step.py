@@ -2,7 +2,7 @@
 
 keras.io writes such a step with its replica's own mean loss, `tape.gradient`,
 `optimizer.apply_gradients` and `keras.metrics.Mean` trackers. While it runs
-under several replicas, `_runtime.steps.user_step` registers the replica's
+under several replicas, `_runtime.user_steps.user_step` registers the replica's
 step (`step_state.ReplicaStep`, `user_step=True`) so that the optimizer weights
 its gradients by its example share and `DistributedModel.compute_loss` returns
 its part of the global batch's loss; the metric results it returns are
@@ -13,7 +13,7 @@ replaced by those of state summed over the replicas. `custom_step_losses =
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist._runtime import steps
+from keras_dist._runtime import user_steps
 
 CUSTOM_STEP_LOSSES = ("mean", "global")
 
@@ -28,7 +28,7 @@ def exact_for_global_batch(model, step):
         return step
 
     def run(data):
-        with steps.user_step(model, data, options=model.communication.to_tensorflow()):
+        with user_steps.user_step(model, data, options=model.communication.to_tensorflow()):
             return _with_global_metric_results(model, step(data))
 
     return run
@@ -62,7 +62,7 @@ def _with_global_metric_results(model, logs):
 
 def compute_loss(model, keras_compute_loss, step):
     """`compute_loss` inside a user's step (`step`, its `ReplicaStep`): this replica's part of the global loss."""
-    return steps.user_step_loss(model, keras_compute_loss, step, model.communication.to_tensorflow())
+    return user_steps.user_step_loss(model, keras_compute_loss, step, model.communication.to_tensorflow())
 
 
 def check_custom_step_losses(value):
