@@ -85,15 +85,38 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         state = summed_metrics.variables() if summed_metrics is not None else None
         if state is None:
-            model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+            _apply(model, gradients, step)
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if model._compile_metrics is not None:  # What Keras' `compute_metrics` does, before `apply` here.
             model._compile_metrics.update_state(y, y_pred, sample_weight)
         step.extras = [tf.convert_to_tensor(v.value) for v in state]  # This replica's, read after the updates.
-        model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
-    if step.extras_sums is None:  # `apply` did not all-reduce (not reached with keras-dist's optimizer).
+        _apply(model, gradients, step)
+    if step.extras_sums is None:  # `apply` did not carry them (accumulation: it all-reduces every k-th step).
         return model.get_metrics_result()
     return summed_metrics.results(state, step.extras_sums)
+
+
+def _apply(model, gradients, step):
+    """`model.optimizer.apply_gradients`; raises if it did not weight by examples when `step` left that to it.
+
+    The step leaves the weighting to the gradient all-reduce
+    (`EXAMPLES_IN_ALL_REDUCE`) only when `ride_along` said the optimizer would
+    do it; the optimizer's `apply` then carries the step's request and sets
+    `step.extras_sums`. Were the two ever to disagree, the gradients of each
+    replica's mean would be summed unweighted: an internal error, not a
+    fallback.
+    """
+    model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+    if step.weighting == step_state.EXAMPLES_IN_ALL_REDUCE and step.extras_sums is None:
+        raise RuntimeError(
+            "keras-dist internal error: the train step left weighting each replica's gradients by its examples "
+            "to the gradient all-reduce (the model's decision: `ride_along`, from "
+            "`keras_dist.collectives._optimizer.weighs_examples_in_all_reduce`), but the optimizer's `apply` "
+            f"({type(model.optimizer).__name__}) did not carry the step's request (the optimizer's decision: "
+            "`_apply_summed`, e.g. it accumulates gradients), so the gradients would be summed unweighted. "
+            "Expected: `apply` all-reduces the step's example counts with the gradients. Received: it did not. "
+            "Fix: this is a bug in keras-dist; please report it with the optimizer's configuration."
+        )
 
 
 def test_step(model, data, *, options):
