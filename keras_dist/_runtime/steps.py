@@ -1,8 +1,12 @@
-"""Keras' TensorFlow step functions with keras-dist's distribution fixes threaded in.
+"""Keras' TensorFlow `train_step` and `test_step` with keras-dist's distribution fixes threaded in.
 
-`DistributedModel` calls these from its `train_step`, step-function factories
-and build hook. They use Keras' private trainer attributes, which is why they
-live in `_runtime`.
+`DistributedModel.train_step`/`test_step` call these under several replicas:
+each replica's forward and backward pass (also the XLA-compiled one,
+`compiled_forward_backward`), its loss counted as in the global batch's, and
+what the step tells the optimizer's gradient all-reduce (`step_state`). They use
+Keras' private trainer attributes, which is why they live in `_runtime`. Next
+to them: `user_steps` (a `train_step` the user wrote), `trainer_functions`
+(the functions `fit` calls per execution) and `symbolic_build` (the pre-build).
 """
 
 import contextlib
@@ -11,10 +15,9 @@ import warnings
 import keras
 import tensorflow as tf
 from keras import tree
-from tensorflow.python.distribute.values import PerReplicaSpec
 
-from keras_dist._runtime import build_context, loss_terms, step_state, variables
 from keras_dist._runtime import keras_internals as ki
+from keras_dist._runtime import loss_terms, step_state
 
 
 def train_step(model, data, *, options, forward_backward=None, ride_along=False, summed_metrics=None):
@@ -70,12 +73,10 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
                 share = tf.constant(1.0)
                 step.weighting = step_state.EXAMPLES_IN_ALL_REDUCE
             else:
-                step.global_examples = _sum_over_replicas(tf.reshape(tf.cast(num_examples, tf.float32), [1]), options)[
-                    0
-                ]
+                step.global_examples = sum_over_replicas(tf.reshape(tf.cast(num_examples, tf.float32), [1]), options)[0]
                 share = step.example_share()
             y_pred, loss, gradients = forward_backward(x, y, sample_weight, share)
-            loss = _zero_when_empty(loss, num_examples)
+            loss = zero_when_empty(loss, num_examples)
             model._loss_tracker.update_state(loss, sample_weight=num_examples)
         else:
             y_pred, loss, gradients = _exact_forward_backward(model, x, y, sample_weight, step, ride_along, options)
@@ -84,15 +85,38 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         state = summed_metrics.variables() if summed_metrics is not None else None
         if state is None:
-            model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+            _apply(model, gradients, step)
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if model._compile_metrics is not None:  # What Keras' `compute_metrics` does, before `apply` here.
             model._compile_metrics.update_state(y, y_pred, sample_weight)
         step.extras = [tf.convert_to_tensor(v.value) for v in state]  # This replica's, read after the updates.
-        model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
-    if step.extras_sums is None:  # `apply` did not all-reduce (not reached with keras-dist's optimizer).
+        _apply(model, gradients, step)
+    if step.extras_sums is None:  # `apply` did not carry them (accumulation: it all-reduces every k-th step).
         return model.get_metrics_result()
     return summed_metrics.results(state, step.extras_sums)
+
+
+def _apply(model, gradients, step):
+    """`model.optimizer.apply_gradients`; raises if it did not weight by examples when `step` left that to it.
+
+    The step leaves the weighting to the gradient all-reduce
+    (`EXAMPLES_IN_ALL_REDUCE`) only when `ride_along` said the optimizer would
+    do it; the optimizer's `apply` then carries the step's request and sets
+    `step.extras_sums`. Were the two ever to disagree, the gradients of each
+    replica's mean would be summed unweighted: an internal error, not a
+    fallback.
+    """
+    model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+    if step.weighting == step_state.EXAMPLES_IN_ALL_REDUCE and step.extras_sums is None:
+        raise RuntimeError(
+            "keras-dist internal error: the train step left weighting each replica's gradients by its examples "
+            "to the gradient all-reduce (the model's decision: `ride_along`, from "
+            "`keras_dist.collectives._optimizer.weighs_examples_in_all_reduce`), but the optimizer's `apply` "
+            f"({type(model.optimizer).__name__}) did not carry the step's request (the optimizer's decision: "
+            "`_apply_summed`, e.g. it accumulates gradients), so the gradients would be summed unweighted. "
+            "Expected: `apply` all-reduces the step's example counts with the gradients. Received: it did not. "
+            "Fix: this is a bug in keras-dist; please report it with the optimizer's configuration."
+        )
 
 
 def test_step(model, data, *, options):
@@ -114,7 +138,7 @@ def test_step(model, data, *, options):
         with loss_terms.recording(model) as record:
             y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
-            loss = _zero_when_empty(loss, num_examples)  # Inside: the record's tape sees the total.
+            loss = zero_when_empty(loss, num_examples)  # Inside: the record's tape sees the total.
         if record.all_weighted_by_examples():
             model._loss_tracker.update_state(loss, sample_weight=num_examples)
         else:
@@ -122,82 +146,13 @@ def test_step(model, data, *, options):
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-@contextlib.contextmanager
-def user_step(model, data, *, options):
-    """Runs a `train_step`/`test_step` the user wrote for one device (the block) as exact for the global batch.
-
-    keras.io writes such a step with its replica's own mean loss
-    (`ops.mean(...)`, `self.compute_loss(...)`, a `keras.losses.Loss`),
-    `tape.gradient`, `optimizer.apply_gradients` (once per optimizer: a GAN
-    has two) and `keras.metrics.Mean` loss trackers. While the block runs on
-    this replica:
-    - Keras' `1 / num_replicas_in_sync` loss scaling is off (one device's
-      numbers on this replica's examples);
-    - the optimizer weights this replica's gradients by its share of the
-      global batch's examples before summing them (one small all-reduce of
-      the example counts, here, before the step);
-    - `DistributedModel.compute_loss` returns `global examples / examples x`
-      this replica's part of the global batch's loss (`user_step_loss`);
-    - a scalar `keras.metrics.Mean.update_state(value)` counts the value by
-      this replica's example share, so that the tracker's result (summed over
-      the replicas, or averaged as Keras does with the values a step
-      returns) is the mean of the global batch's values.
-
-    Args:
-        model: The `keras.Model` whose overridden step runs in the block.
-        data: The per-replica batch handed to the step (its first leaf's
-            leading dimension counts the examples).
-        options: `tf.distribute.experimental.CommunicationOptions`.
-
-    Yields:
-        The `step_state.ReplicaStep` registered for this replica.
-    """
-    x, _, _ = ki.unpack_x_y_sample_weight(data)
-    num_examples = batch_size_of(x) if tree.flatten(x) else tf.constant(0)
-    count = tf.reshape(tf.cast(num_examples, tf.float32), [1])
-    step = step_state.ReplicaStep(
-        step_state.EXAMPLES,
-        num_examples=num_examples,
-        global_examples=_sum_over_replicas(count, options)[0],
-        user_step=True,
-    )
-    loss_terms.one_device_scaling_installed()
-    with step_state.running(step):
-        yield step
-
-
-def user_step_loss(model, compute_loss, step, options):
-    """`compute_loss()` inside a user's step (`user_step`), made exact for the global batch.
-
-    Returns `global examples / examples x` this replica's part of the global
-    batch's loss: the loss itself when every term is a mean over examples;
-    otherwise (masks, `"sum"` reductions, sample-weight means) each term is
-    counted by its own divisor, summed over the replicas in one small
-    all-reduce. The optimizer then weights the gradients by the example share
-    (`user_step`), which makes them those of the global batch's loss; a
-    scalar `Mean` tracker of the value logs the global batch's loss.
-    Per-output loss trackers get the global values (`loss_terms.update_trackers`).
-    """
-    with loss_terms.recording(model) as record:
-        loss = _zero_when_empty(compute_loss(), step.num_examples)  # Inside: the record's tape sees the total.
-    if record.all_weighted_by_examples():
-        return loss
-    share = step.example_share()
-    divisors = loss_terms.divisors_to_sum(record)
-    summed = _sum_over_replicas(divisors, options) if divisors.shape[0] else divisors
-    shares = loss_terms.term_shares(record, share, summed)
-    part = loss_terms.global_surrogate(record, loss, share, shares)
-    loss_terms.update_trackers(record, shares, model.distribute_strategy.num_replicas_in_sync)
-    return tf.math.divide_no_nan(part, tf.cast(share, part.dtype))
-
-
-def _sum_over_replicas(vector, options):
+def sum_over_replicas(vector, options):
     """float32 `vector` summed over all replicas (one small all-reduce; no gradient through it)."""
     context = tf.distribute.get_replica_context()
     return tf.stop_gradient(context.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(vector), options=options))
 
 
-def _zero_when_empty(loss, num_examples):
+def zero_when_empty(loss, num_examples):
     """`loss`, or 0 on a replica without examples (a loss function's own mean is NaN there; its gradient is not)."""
     return tf.where(num_examples > 0, loss, tf.zeros_like(loss))
 
@@ -212,7 +167,7 @@ def _global_loss(model, record, loss, num_examples, options):
     global value (`loss_terms.update_trackers`).
     """
     count = tf.reshape(tf.cast(num_examples, tf.float32), [1])
-    summed = _sum_over_replicas(tf.concat([count, loss_terms.divisors_to_sum(record)], 0), options)
+    summed = sum_over_replicas(tf.concat([count, loss_terms.divisors_to_sum(record)], 0), options)
     global_examples = summed[0]
     share = tf.math.divide_no_nan(count[0], global_examples)
     shares = loss_terms.term_shares(record, share, summed[1:])
@@ -225,7 +180,7 @@ def _global_loss(model, record, loss, num_examples, options):
 
 
 @contextlib.contextmanager
-def _observing_collectives(refusal=None):
+def observing_collectives(refusal=None):
     """Yields a list that records each collective this replica's `call` starts (its replica context's methods).
 
     With `refusal` (a message), the first collective raises `ValueError(refusal)` instead.
@@ -266,7 +221,7 @@ def _forward_backward(model, x, y, sample_weight, loss_weight, *, scope=None, co
     `ValueError` if `call` starts a collective.
     """
     with tf.GradientTape() as tape:
-        with (scope or contextlib.nullcontext)(), _observing_collectives(collective_refusal):
+        with (scope or contextlib.nullcontext)(), observing_collectives(collective_refusal):
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
         weighted = loss * tf.cast(loss_weight, loss.dtype)
@@ -287,10 +242,10 @@ def _exact_forward_backward(model, x, y, sample_weight, step, ride_along, option
     """
     num_examples = step.num_examples
     with tf.GradientTape() as tape:
-        with loss_terms.recording(model) as record, _observing_collectives() as collectives:
+        with loss_terms.recording(model) as record, observing_collectives() as collectives:
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-            loss = _zero_when_empty(loss, num_examples)  # Inside: the record's tape sees the total.
+            loss = zero_when_empty(loss, num_examples)  # Inside: the record's tape sees the total.
         if ride_along and not collectives and record.all_weighted_by_examples():
             # A collective in `call` (synchronized BatchNormalization) sends the gradient of every replica's loss
             # back through it: the losses themselves are weighted then, below.
@@ -407,128 +362,3 @@ def compiled_forward_backward(model):
 def batch_size_of(x):
     """Returns the leading dimension of the first non-`None` leaf of `x` (int32 scalar)."""
     return tf.shape(next(leaf for leaf in tree.flatten(x) if leaf is not None))[0]
-
-
-def make_step_function(model, replica_step, *, add_replica_axis=False, synchronized_outputs=False):
-    """Builds the function `fit`/`evaluate` call per execution, from a replica step.
-
-    Uses Keras' own factory (`TensorFlowTrainer._make_function`): the
-    `steps_per_execution` loop, `tf.function` compilation and output reduction
-    stay Keras', except under several workers with `synchronized_outputs`.
-
-    Args:
-        model: The `keras.Model`.
-        replica_step: Callable run in replica context on one per-replica batch,
-            returning a structure of tensors.
-        add_replica_axis: Boolean. Under `MultiWorkerMirroredStrategy` Keras
-            reduces each output with `strategy.reduce("MEAN", value, axis=0)`;
-            a leading axis of size 1 makes that the mean over replicas.
-        synchronized_outputs: Boolean, `replica_step` returns the same values
-            on every replica of every worker (keras-dist's own steps: metric
-            results from state summed over all replicas). With
-            `add_replica_axis` and `steps_per_execution == 1` (always the case
-            under several workers), the outputs are then taken from this
-            worker's first replica: Keras' reduction would cost two
-            collectives per output per step, for the values already there.
-    """
-    if add_replica_axis and synchronized_outputs and model.steps_per_execution == 1:
-        return _first_replica_step_function(model, replica_step)
-    if add_replica_axis:
-        step = replica_step
-
-        def replica_step(data):
-            return tree.map_structure(_with_replica_axis, step(data))
-
-    return ki.TensorFlowTrainer._make_function(model, replica_step)
-
-
-def _first_replica_step_function(model, replica_step):
-    """Keras' `_make_function` for `steps_per_execution == 1` (3.15), with the outputs of the first local replica."""
-    strategy = model.distribute_strategy
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_data(data):
-        outputs = strategy.run(replica_step, args=(data,))
-        return tree.map_structure(lambda value: strategy.experimental_local_results(value)[0], outputs)
-
-    if not model.run_eagerly:
-        one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
-    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_iterator(iterator):
-        return tf.experimental.Optional.from_value(one_step_on_data(iterator.get_next()))
-
-    if not model.run_eagerly:
-        one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
-
-    def function(iterator):
-        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            optional_outputs = one_step_on_iterator(iterator)
-            if not optional_outputs.has_value():
-                raise StopIteration
-            return optional_outputs.get_value()
-        for data in iterator:  # Keras' `zip(range(steps_per_execution), iterator)` with 1 step.
-            return one_step_on_data(data)
-
-    return function
-
-
-def _with_replica_axis(value):
-    if isinstance(value, (tf.Tensor, tf.Variable)):
-        return tf.expand_dims(value, 0)
-    return value
-
-
-def has_own_call(model):
-    """Returns whether `model` defines `call` (a functional model does; a GAN that only has a `train_step` not)."""
-    return type(model).call is not keras.Model.call
-
-
-def build_without_call(model):
-    """What Keras' `_symbolic_build` can build of a model that has no `call`, and what the steps must build.
-
-    Nothing is traced: on one device Keras builds such a model (a GAN that
-    trains through its own `train_step`) in the first step. Here the compiled
-    optimizer is built on the trainable variables when every layer is built
-    (the keras.io GAN's sub-models start with `keras.Input`); layers not built
-    yet, and the optimizer then, build in the first step, once, outside the
-    step function (`variables.build_outside_step`). Call it under the
-    model's strategy scope.
-    """
-    unbuilt = [layer for layer in model._flatten_layers(include_self=False) if not layer.built]
-    if model.distribute_strategy.num_replicas_in_sync > 1:
-        for layer in unbuilt:
-            variables.build_outside_step(layer)
-    if model.optimizer is not None and not model.optimizer.built and not unbuilt:
-        model.optimizer.build(model.trainable_variables)
-
-
-def symbolic_build_from_spec(model, element_spec, *, composite_inputs=False):
-    """Builds model, metric and optimizer state from a batch's element spec.
-
-    Args:
-        model: The `keras.Model`.
-        element_spec: Nested `tf.TypeSpec` structure of one global batch.
-        composite_inputs: Boolean, trace `call` on ragged/sparse placeholders where
-            the inputs are ragged/sparse (`build_context.build_from_composite_spec`)
-            instead of Keras' dense ones.
-    """
-    spec = tf.nest.map_structure(_one_replica_spec, element_spec, expand_composites=False)
-    if composite_inputs and build_context.has_composite_inputs(spec):
-        return build_context.build_from_composite_spec(model, spec)
-    model._symbolic_build(data_batch=spec)
-
-
-def _one_replica_spec(spec):
-    """Returns the spec a model is built from: `None` for absent parts, one replica's for `PerReplicaSpec`."""
-    if isinstance(spec, tf.OptionalSpec):
-        return None
-    if isinstance(spec, PerReplicaSpec):  # From a distributed dataset (e.g. a DatasetCreator).
-        return spec._value_specs[0]
-    return spec
-
-
-def maybe_symbolic_build(model, iterator=None, data_batch=None):
-    """Keras' own pre-build (takes a batch from `iterator`); kept for disabled fixes."""
-    return ki.TensorFlowTrainer._maybe_symbolic_build(model, iterator=iterator, data_batch=data_batch)

@@ -201,3 +201,19 @@ def test_non_float32_gradients_send_counts_in_their_own_all_reduce(mirrored_1x2_
         np.testing.assert_allclose(value.numpy(), [1.25] * 4)
     for value in mirrored_1x2_cpu.experimental_local_results(extras[0]):
         np.testing.assert_allclose(value.numpy(), np.full([2, 3], 2.0))
+
+
+def test_a_step_and_optimizer_that_disagree_raise_instead_of_summing_unweighted(mirrored_1x2_cpu, monkeypatch):
+    """The step leaves the example weighting to the all-reduce only when the optimizer will do it: never a silent fallback.
+
+    Forced here: the model is told the optimizer weights by examples in its all-reduce, while the
+    optimizer accumulates gradients (whose all-reduce does not carry the step's request).
+    """
+    from keras_dist.collectives import _optimizer
+
+    monkeypatch.setattr(_optimizer, "weighs_examples_in_all_reduce", lambda optimizer: True)
+    x, y = _data()
+    model = _build(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
+    model.compile(optimizer=keras.optimizers.SGD(0.2, gradient_accumulation_steps=2), loss="binary_crossentropy")
+    with pytest.raises(RuntimeError, match="internal error.*did not carry the step's request"):
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)

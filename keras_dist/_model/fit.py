@@ -1,0 +1,73 @@
+"""`fit`, `evaluate` and `predict` of a `DistributedModel`, around Keras' own.
+
+Each binds its inputs (`data._inputs`: distributed datasets, the input plan),
+names a lost worker in the error (`workers.naming_lost_workers`) and prints on
+the chief only. `fit` also adapts the callbacks for several workers, resumes a
+`BackupAndRestore` backup mid-epoch (skipping the steps already done), and on
+SIGTERM exits with status 75 once every worker saved one backup.
+"""
+
+import contextlib
+
+import keras
+
+from keras_dist._model import workers
+from keras_dist.callbacks import _adapt as callbacks_adapt
+from keras_dist.callbacks import _resume as callbacks_resume
+from keras_dist.data import _distribute as data_distribute
+from keras_dist.data import _inputs as data_inputs
+
+
+def fit(model, keras_fit, args, kwargs):
+    """`DistributedModel.fit`: Keras' `fit` (`keras_fit`, bound) with the arguments above adapted."""
+    arguments = data_inputs.bind_inputs(model, keras.Model.fit, args, kwargs, ("x", "validation_data"))
+    backups = callbacks_resume.backups_in(arguments.get("callbacks"))
+    resume_point = callbacks_resume.ResumePoint(0)
+    if backups and not data_distribute.is_distributed(arguments.get("x")):
+        # A DatasetCreator's input is built per worker by the user: it resumes at the epoch.
+        resume_point = callbacks_resume.ResumePoint(callbacks_resume.steps_done_in_epoch(backups[0]))
+    arguments["callbacks"] = callbacks_adapt.adapt_callbacks(
+        arguments.get("callbacks"), model, model._agreement(), resume_point=resume_point
+    )
+    agree_on_stop = arguments["callbacks"][-1]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(workers.naming_lost_workers(model))
+        stack.enter_context(data_inputs.distributing_inputs(model, ["fit", "validation"], arguments))
+        stack.enter_context(
+            callbacks_resume.skipping_resumed_steps(
+                model,
+                resume_point,
+                callbacks_resume.epoch_length_is_known(arguments.get("x"), arguments.get("steps_per_epoch")),
+            )
+        )
+        if backups:
+            stack.enter_context(callbacks_resume.catching_sigterm())
+        history = keras_fit(**workers.chief_only_verbosity(model, arguments))
+    if agree_on_stop.preempted:
+        print(
+            f"keras-dist: SIGTERM: every worker saved a backup in {backups[0].backup_dir!r} and stopped; "
+            f"exiting with status {callbacks_resume.RESTART_EXIT_STATUS} (run the same command again to resume).",
+            flush=True,
+        )
+        raise SystemExit(callbacks_resume.RESTART_EXIT_STATUS)
+    return history
+
+
+def evaluate(model, keras_evaluate, args, kwargs):
+    """`DistributedModel.evaluate`: Keras' `evaluate` (`keras_evaluate`, bound) on the distributed inputs."""
+    arguments = data_inputs.bind_inputs(model, keras.Model.evaluate, args, kwargs, ("x",))
+    with workers.naming_lost_workers(model), data_inputs.distributing_inputs(model, ["evaluate"], arguments):
+        return keras_evaluate(**workers.chief_only_verbosity(model, arguments))
+
+
+def predict(model, keras_predict, args, kwargs):
+    """`DistributedModel.predict`: Keras' `predict` (`keras_predict`, bound) on the distributed inputs."""
+    arguments = data_inputs.bind_inputs(model, keras.Model.predict, args, kwargs, ("x",))
+    with workers.naming_lost_workers(model), data_inputs.distributing_inputs(model, ["predict"], arguments):
+        return keras_predict(**workers.chief_only_verbosity(model, arguments))
+
+
+def predict_on_batch(model, x):
+    """One batch's predictions split across the replicas, as `predict` splits them (several replicas)."""
+    batch_size = int(keras.tree.flatten(x)[0].shape[0])
+    return model.predict(x, batch_size=max(batch_size, 1), verbose=0)

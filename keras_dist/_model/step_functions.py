@@ -1,0 +1,96 @@
+"""The functions `fit`/`evaluate` call per execution, built from a replica step.
+
+Keras' own factory builds them (`_runtime.trainer_functions.make_step_function`). What is
+decided here: whether the step is the user's own (then made exact for the
+global batch, `user_step`), how the values a user's step returns are reduced
+over the replicas (`distribute_reduction_method`), and the replica axis
+`MultiWorkerMirroredStrategy`'s output reduction needs.
+"""
+
+import warnings
+
+import tensorflow as tf
+
+from keras_dist import _compat, errors
+from keras_dist._model import user_step
+from keras_dist._runtime import trainer_functions, variables
+
+REDUCTION_METHODS = ("auto", "mean", "sum", "first")
+
+
+def make(model, replica_step, *, user_written):
+    """The train or test function for `replica_step` (`model.train_step` or `model.test_step`).
+
+    Args:
+        model: The `DistributedModel`.
+        replica_step: The bound step, run in replica context on one per-replica batch.
+        user_written: Boolean, the step overrides `DistributedModel`'s.
+    """
+    if user_written:
+        replica_step = user_step.exact_for_global_batch(model, replica_step)
+    return trainer_functions.make_step_function(
+        model,
+        lambda data: _reduce_in_replica_context(model, replica_step(data), user_written=user_written),
+        add_replica_axis=_compat.is_active("multi_worker_output_reduction")
+        and variables.is_multi_worker(model._distribute_strategy),
+        synchronized_outputs=_returns_synchronized_outputs(user_written),
+    )
+
+
+def _reduce_in_replica_context(model, outputs, *, user_written):
+    """Applies `distribute_reduction_method` so every replica returns the reduced value.
+
+    Only to the outputs of a step you wrote (`user_written`): they may
+    differ between replicas. keras-dist's own steps return values already
+    equal on every replica (the metrics of the global batch), which a "sum"
+    would multiply by the replicas.
+    """
+    method = model.distribute_reduction_method
+    num_replicas = model._distribute_strategy.num_replicas_in_sync
+    if (
+        method == "auto"
+        or num_replicas == 1
+        or not _compat.is_active("distribute_reduction_method")
+        or _returns_synchronized_outputs(user_written)
+    ):
+        return outputs
+    context = tf.distribute.get_replica_context()
+
+    def reduce(value):
+        if not isinstance(value, (tf.Tensor, tf.Variable)):
+            return value
+        value = tf.identity(value)  # On this replica's device: a result made in cross-replica context has none.
+        if method == "first":
+            is_first = tf.equal(context.replica_id_in_sync_group, 0)
+            value = tf.where(is_first, value, tf.zeros_like(value))
+        return context.all_reduce("MEAN" if method == "mean" else "SUM", value)
+
+    return tf.nest.map_structure(reduce, outputs)
+
+
+def _returns_synchronized_outputs(user_written):
+    """Whether the step returns the same values on every replica: keras-dist's or Keras' own step, metrics summed over replicas.
+
+    An overriding step may return per-replica values (e.g. a loss tensor);
+    those keep Keras' mean over the replicas.
+    """
+    return not user_written and _compat.is_active("cross_replica_metrics")
+
+
+def limit_steps_per_execution(model, kwargs):
+    """Under several workers, replaces `compile(steps_per_execution > 1)` by 1, with a warning (changes `kwargs`)."""
+    steps_per_execution = kwargs.get("steps_per_execution", 1)
+    if (
+        steps_per_execution != 1
+        and variables.is_multi_worker(model._distribute_strategy)
+        and _compat.is_active("multi_worker_steps_per_execution")
+    ):
+        warnings.warn(
+            "`steps_per_execution` > 1 is not supported under MultiWorkerMirroredStrategy yet "
+            "(TensorFlow fails on collectives inside Keras' multi-step loop); using 1. "
+            f"Received: steps_per_execution={steps_per_execution}. The results are the same; "
+            "pass steps_per_execution=1 to silence this warning.",
+            errors.KerasDistWarning,
+            stacklevel=3,
+        )
+        kwargs["steps_per_execution"] = 1

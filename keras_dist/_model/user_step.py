@@ -1,0 +1,75 @@
+"""A `train_step`/`test_step` the user wrote for one device, run as exact for the global batch.
+
+keras.io writes such a step with its replica's own mean loss, `tape.gradient`,
+`optimizer.apply_gradients` and `keras.metrics.Mean` trackers. While it runs
+under several replicas, `_runtime.user_steps.user_step` registers the replica's
+step (`step_state.ReplicaStep`, `user_step=True`) so that the optimizer weights
+its gradients by its example share and `DistributedModel.compute_loss` returns
+its part of the global batch's loss; the metric results it returns are
+replaced by those of state summed over the replicas. `custom_step_losses =
+"global"` (TensorFlow's guide: the step scales its own loss) turns this off.
+"""
+
+import tensorflow as tf
+
+from keras_dist import _compat
+from keras_dist._runtime import user_steps
+
+CUSTOM_STEP_LOSSES = ("mean", "global")
+
+
+def exact_for_global_batch(model, step):
+    """`step` (a train or test step of the user's own) run as exact for the global batch (see `custom_step_losses`)."""
+    if (
+        model._distribute_strategy.num_replicas_in_sync == 1
+        or model.custom_step_losses == "global"
+        or not _compat.is_active("custom_step_example_weighting")
+    ):
+        return step
+
+    def run(data):
+        with user_steps.user_step(model, data, options=model.communication.to_tensorflow()):
+            return _with_global_metric_results(model, step(data))
+
+    return run
+
+
+def _with_global_metric_results(model, logs):
+    """`logs` a step of yours returned, each value named after one of `model.metrics` replaced by its global result.
+
+    keras.io returns `{m.name: m.result() for m in self.metrics}`: on a
+    replica `m.result()` reads that replica's state only, and Keras averages
+    the replicas' results, which an uneven split makes differ from one
+    device's. The metrics' state summed over the replicas (one all-reduce)
+    gives one device's results; other values are left as they are.
+    """
+    if not isinstance(logs, dict) or not _compat.is_active("cross_replica_metrics"):
+        return logs
+    names = {m.name for m in model.metrics}
+    if not any(key in names for key in logs):
+        return logs
+    results = tf.distribute.get_replica_context().merge_call(model._metrics_result_from_summed_state)
+    merged = dict(logs)
+    for key, value in logs.items():
+        if key not in names:
+            continue
+        if isinstance(value, dict):  # A metrics container (`compile_metrics`): one result per metric it holds.
+            merged[key] = {name: results.get(name, part) for name, part in value.items()}
+        elif key in results:
+            merged[key] = results[key]
+    return merged
+
+
+def compute_loss(model, keras_compute_loss, step):
+    """`compute_loss` inside a user's step (`step`, its `ReplicaStep`): this replica's part of the global loss."""
+    return user_steps.user_step_loss(model, keras_compute_loss, step, model.communication.to_tensorflow())
+
+
+def check_custom_step_losses(value):
+    """Raises `ValueError` unless `value` is one of `CUSTOM_STEP_LOSSES`."""
+    if value not in CUSTOM_STEP_LOSSES:
+        raise ValueError(
+            f"`custom_step_losses` must be one of {CUSTOM_STEP_LOSSES}. Received: custom_step_losses={value!r}. "
+            "Fix: 'mean' for a train_step that computes its replica's mean loss (keras.io), 'global' for one "
+            "that scales its loss for the global batch (tf.nn.compute_average_loss)."
+        )

@@ -1,0 +1,83 @@
+"""The functions `fit`/`evaluate` call per execution, made by Keras' own factory from a replica step.
+
+Keras' `TensorFlowTrainer._make_function` keeps the `steps_per_execution` loop,
+`tf.function` compilation and output reduction; under several workers the
+outputs get a replica axis (Keras reduces them with `axis=0`), or, when every
+replica returns the same values, are taken from the first local replica.
+"""
+
+import tensorflow as tf
+from keras import tree
+
+from keras_dist._runtime import keras_internals as ki
+
+
+def make_step_function(model, replica_step, *, add_replica_axis=False, synchronized_outputs=False):
+    """Builds the function `fit`/`evaluate` call per execution, from a replica step.
+
+    Uses Keras' own factory (`TensorFlowTrainer._make_function`): the
+    `steps_per_execution` loop, `tf.function` compilation and output reduction
+    stay Keras', except under several workers with `synchronized_outputs`.
+
+    Args:
+        model: The `keras.Model`.
+        replica_step: Callable run in replica context on one per-replica batch,
+            returning a structure of tensors.
+        add_replica_axis: Boolean. Under `MultiWorkerMirroredStrategy` Keras
+            reduces each output with `strategy.reduce("MEAN", value, axis=0)`;
+            a leading axis of size 1 makes that the mean over replicas.
+        synchronized_outputs: Boolean, `replica_step` returns the same values
+            on every replica of every worker (keras-dist's own steps: metric
+            results from state summed over all replicas). With
+            `add_replica_axis` and `steps_per_execution == 1` (always the case
+            under several workers), the outputs are then taken from this
+            worker's first replica: Keras' reduction would cost two
+            collectives per output per step, for the values already there.
+    """
+    if add_replica_axis and synchronized_outputs and model.steps_per_execution == 1:
+        return _first_replica_step_function(model, replica_step)
+    if add_replica_axis:
+        step = replica_step
+
+        def replica_step(data):
+            return tree.map_structure(_with_replica_axis, step(data))
+
+    return ki.TensorFlowTrainer._make_function(model, replica_step)
+
+
+def _first_replica_step_function(model, replica_step):
+    """Keras' `_make_function` for `steps_per_execution == 1` (3.15), with the outputs of the first local replica."""
+    strategy = model.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(replica_step, args=(data,))
+        return tree.map_structure(lambda value: strategy.experimental_local_results(value)[0], outputs)
+
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
+    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_iterator(iterator):
+        return tf.experimental.Optional.from_value(one_step_on_data(iterator.get_next()))
+
+    if not model.run_eagerly:
+        one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            optional_outputs = one_step_on_iterator(iterator)
+            if not optional_outputs.has_value():
+                raise StopIteration
+            return optional_outputs.get_value()
+        for data in iterator:  # Keras' `zip(range(steps_per_execution), iterator)` with 1 step.
+            return one_step_on_data(data)
+
+    return function
+
+
+def _with_replica_axis(value):
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        return tf.expand_dims(value, 0)
+    return value
