@@ -1,6 +1,6 @@
 """Layer 3: every workaround for a Keras or TensorFlow bug, version-gated (private).
 
-Owns: the registry of fixes (`keras_fixes.FIXES`), the versions each was
+Owns: the registry of fixes (`registry.FIXES`; switched in `keras_fixes`), the versions each was
 verified on, and `is_active(name)`. Layer-1 code asks `is_active` before taking
 the fixed path and falls back to plain Keras behaviour otherwise. Importing this
 package warns once when the installed Keras or TensorFlow is outside a fix's

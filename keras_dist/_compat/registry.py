@@ -1,0 +1,376 @@
+"""The registry of Keras 3 (TensorFlow backend) bugs that keras-dist works around.
+
+Each `Fix` names the versions on which its bug was reproduced and its remedy
+verified (`verified`: a closed range, grown only as more versions are checked,
+issue 20). `keras_dist._compat.keras_fixes` switches them on and off.
+"""
+
+import dataclasses
+
+from packaging.specifiers import SpecifierSet
+
+from keras_dist._compat import versions
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """One workaround for an upstream bug.
+
+    Args:
+        name: String, the fix's identifier (also `tests/compat/test_<name>.py`).
+        package: String, `"keras"` or `"tensorflow"`: whose version gates it.
+        verified: String `SpecifierSet`, the versions of `package` on which the
+            bug was reproduced and the remedy verified (closed: `">=3.15,<3.16"`).
+            The fix is off on any other version unless forced.
+        upstream: String, the upstream issue or pull request.
+        symptom: One sentence on what breaks for users without the fix.
+        remedy: One sentence on what keras-dist does instead.
+        remove_when: When to delete the fix.
+    """
+
+    name: str
+    package: str
+    verified: str
+    upstream: str
+    symptom: str
+    remedy: str
+    remove_when: str
+
+    @property
+    def affected(self):
+        """The versions known to have the bug: those verified (an alias of `verified`)."""
+        return self.verified
+
+    def applies_to_installed(self):
+        """Returns whether the installed `package` version is in `verified`."""
+        return versions.INSTALLED[self.package] in SpecifierSet(self.verified)
+
+
+_OPEN = "no upstream fix as of Keras 3.15.1; remove when a fixed release is the minimum supported"
+_OPEN_TF = "no upstream fix as of TensorFlow 2.21.0; remove when a fixed release is the minimum supported"
+
+FIXES = {
+    fix.name: fix
+    for fix in [
+        Fix(
+            name="example_weighted_loss",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/issues/15509 (also tensorflow/tensorflow#45594)",
+            symptom="Under a strategy Keras divides each replica's loss by num_replicas_in_sync: an uneven split "
+            "(the last batch), a masked loss (each replica's own token mean), a 'sum' or sample-weight-mean "
+            "reduction and a loss function returning one number (not divided at all: 2x on 2 replicas) give "
+            "another gradient and logged loss than the global batch's; per-output loss trackers average the "
+            "replicas' values.",
+            remedy="Each replica computes its loss as one device would; each loss term counts by its own "
+            "divisor's share (examples, unmasked tokens, sample weights, or 1 for sums), in the gradient "
+            "all-reduce when all are example means, else after one small all-reduce of the divisors.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="custom_step_example_weighting",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://keras.io/guides/custom_train_step_in_tensorflow/ (written for one device; no upstream report found)",
+            symptom="A train_step written for one device (keras.io: its own ops.mean loss or self.compute_loss, "
+            "apply_gradients, Mean loss trackers) takes num_replicas_in_sync times the one-device step, "
+            "and logs the loss divided by num_replicas_in_sync when it uses compute_loss.",
+            remedy="While a user's train_step/test_step runs, Keras' loss scaling is off, each replica's "
+            "gradients count by its share of the global batch's examples, compute_loss counts each term by "
+            "its divisor, and scalar Mean tracker updates count by the example share.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="symbolic_build_from_spec",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/issues/20585 (also tensorflow/tensorflow#58809)",
+            symptom="fit/evaluate build the model by taking a batch from the user's distributed "
+            "iterator and reducing it across replicas, which fails when the first batch is smaller "
+            "than the number of replicas or is split unevenly.",
+            remedy="The model is built from the dataset's element spec; no batch is taken.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="build_in_replica_context",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (_maybe_symbolic_build under strategy.scope(); no upstream report found)",
+            symptom="fit/evaluate/predict build the model by tracing call under strategy.scope() (cross-replica "
+            "context), so a layer that calls a collective in call (tf.distribute.get_replica_context().all_reduce, "
+            "a cross-replica statistic) fails before training: 'Unable to automatically build the model' "
+            "('NoneType' object has no attribute 'all_reduce').",
+            remedy="The symbolic build traces call in a replica context of the model's strategy (replica 0) whose "
+            "collectives only keep shapes; the steps then run the real collectives inside strategy.run.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="ragged_symbolic_build",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/trainers/trainer.py (_symbolic_build: to_symbolic_input makes every spec a dense KerasTensor; no upstream report found)",
+            symptom="Under a strategy, fit/evaluate/predict on ragged batches (ragged_batch) build the model by "
+            "calling it on a dense placeholder, so a call that handles the tf.RaggedTensor it will get "
+            "(x.to_tensor(), x.row_lengths()) fails: 'Unable to automatically build the model'.",
+            remedy="When the inputs have ragged or sparse parts, call is traced on placeholders of that type; "
+            "metric, loss and optimizer state are built as Keras builds them.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="build_without_call",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (_maybe_symbolic_build: only under a strategy; one device defers; no upstream report found)",
+            symptom="Under a strategy, fit/evaluate build the model by calling it, so a model without `call()` "
+            "that trains only through its own train_step (the keras.io GAN) fails before training: 'Unable to "
+            "automatically build the model' (on one device Keras does not build it).",
+            remedy="A model that keeps keras.Model's `call()` is not traced: its compiled optimizer is built under "
+            "the strategy's scope, as Keras builds it; layers not built yet build in the first step, as on one "
+            "device, but once and outside the step function (merge_call, init_scope), as optimizers do with "
+            "`optimizer_built_in_step`.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="optimizer_built_in_step",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (apply builds the optimizer lazily; no upstream report found)",
+            symptom="Under a multi-replica strategy, an optimizer first applied inside a train_step (a GAN's "
+            "`d_optimizer`, set in its own compile) creates its variables inside the step function, and the "
+            "first step fails: 'You must feed a value for placeholder tensor .../cond/Placeholder'.",
+            remedy="The model's optimizers (compiled, or kept in its attributes) build themselves, when first "
+            "applied in a replica context, once in cross-replica context and eagerly (merge_call, init_scope), "
+            "on the variables of that first apply.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="cross_replica_metrics",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/issues/18667",
+            symptom="Metric results are computed per replica from local state and then averaged, "
+            "so uneven batches give logged metrics that differ from single-device values.",
+            remedy="Metric results are computed in cross-replica context from the summed "
+            "on-read state (as tf.keras did), identical on every replica.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="mirrored_layer_state",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/issues/18667 (also keras-team/keras#14372)",
+            symptom="Non-trainable layer state (BatchNormalization moving mean/variance) is mirrored "
+            "with aggregation NONE, so every replica keeps its own diverging copy.",
+            remedy="Floating-point non-trainable layer weights with aggregation 'none' are "
+            "re-created with aggregation 'mean', so all copies stay identical.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="distribute_reduction_method",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/pull/16664 (tf.keras); keras-team/keras#15509",
+            symptom="Reading `model.distribute_reduction_method` raises AttributeError, and setting "
+            "it has no effect: step outputs are always averaged over replicas.",
+            remedy="The attribute defaults to 'auto' and 'sum', 'mean', 'first' are applied to "
+            "what train_step/test_step return.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="optimizer_strategy",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/issues/17187 (also keras-team/keras#20045)",
+            symptom="An optimizer constructed outside strategy.scope() keeps the default strategy "
+            "and fails with 'Mixing different tf.distribute.Strategy objects'.",
+            remedy="compile() moves the optimizer and its variables onto the model's strategy.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="jit_compile_mirrored",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/issues/19005 (also keras-team/keras#18145)",
+            symptom="compile(jit_compile=True) under a multi-replica strategy crashes in the first "
+            "step: Keras compiles the whole step, every replica and the all-reduce, as one XLA cluster.",
+            remedy="XLA compiles each replica's forward and backward pass; the all-reduce, optimizer "
+            "update, metrics and layer state updates run outside it (an overriding train_step is refused).",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="replica_seed_state",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/issues/18667 (seed state mirrored like any variable)",
+            symptom="A SeedGenerator's state is mirrored identically, so every replica draws the same "
+            "random numbers: Dropout drops the same units on every replica's different examples.",
+            remedy="Each replica's copy of a seed generator state gets the replica id added to its "
+            "seed (replica 0 keeps the user's seed).",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="predict_on_batch_split",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (predict_on_batch; no upstream report found)",
+            symptom="predict_on_batch under a multi-replica strategy runs the whole batch on every "
+            "replica and concatenates, returning num_replicas_in_sync times too many rows.",
+            remedy="predict_on_batch runs predict with the batch as one global batch, split across "
+            "the replicas, returning exactly the input's rows in order.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="generator_batch_copies",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/trainers/data_adapters/generator_data_adapter.py (peek_and_restore; no upstream report found)",
+            symptom="A Python generator that yields views of a buffer it refills loses and repeats "
+            "examples: Keras keeps the first batches it peeks at (to learn shapes) by reference, and "
+            "later batches overwrite them before they are used.",
+            remedy="fit/evaluate/predict copy each NumPy array a generator yields, as it is yielded.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="empty_replica_batch_norm",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/layers/normalization/batch_normalization.py (_moments of an empty batch; tensorflow/tensorflow#58809)",
+            symptom="When a partial global batch leaves a replica without examples, BatchNormalization "
+            "computes the moments of an empty batch (NaN), and the moving statistics, gamma and beta "
+            "become NaN for good.",
+            remedy="On an empty batch each BatchNormalization layer of the model uses its moving "
+            "statistics as the batch moments, so that replica leaves them unchanged (a synchronized=True "
+            "layer needs no guard: its moments are the global batch's).",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="sum_gradients_before_apply",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (apply: _clip_gradients before _backend_update_step's all-reduce)",
+            symptom="Under a multi-replica strategy the optimizer decides on each replica's share of the "
+            "gradient before the gradients are summed: clipnorm, clipvalue and global_clipnorm clip "
+            "each share (N replicas train to different weights than one device), and LossScaleOptimizer "
+            "checks only the first replica's share for inf/NaN (an overflow on another replica is "
+            "summed into the weights, which become inf/NaN, and the loss scale is not lowered).",
+            remedy="keras_dist.distributed_optimizer (applied by DistributedModel.compile) makes the "
+            "optimizer's apply sum the gradients over replicas (with the CommunicationOptions) first; "
+            "Keras' apply then checks and clips the global gradient and does not sum again.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="exhausted_input_iteration_count",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (one_step_on_iterator: the epoch's last call fails in get_next)",
+            symptom="When an epoch ends because the input ran out (a dataset of unknown length, e.g. after filter), "
+            "Keras calls the train function once more; it fails for lack of data, but TensorFlow has already run "
+            "the optimizer's iteration increment, which does not depend on the data: optimizer.iterations counts "
+            "one step too many per epoch (2 epochs of 8 batches: 18), shifting Adam's bias correction.",
+            remedy="DistributedModel.fit counts the steps each epoch ran (steps_per_execution=1) and, at the epoch's "
+            "end, before any other callback, sets the counter back to the steps that ran.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="gradient_accumulation_under_strategy",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/issues/17429 (also keras-team/tf-keras#107)",
+            symptom="With an optimizer's gradient_accumulation_steps under a multi-replica strategy, "
+            "the first step fails ('Exception encountered when calling Cond.call()'): optimizer.apply "
+            "chooses between updating and accumulating with ops.cond, and both branches call merge_call.",
+            remedy="Each replica adds its gradients to its own sync-on-read running sums; one merge_call "
+            "(outside any conditional) runs, in cross-replica context, a cond that on every k-th "
+            "micro-batch all-reduces the sums and calls Keras' apply (updating every replica's copy) "
+            "and otherwise only counts the step; a LossScaleOptimizer-wrapped optimizer sums each "
+            "micro-batch, then applies once in cross-replica context.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="ema_overwrite_under_strategy",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (_backend_apply_gradients: ops.cond around _overwrite_model_variables_with_average_value; no upstream report found)",
+            symptom="An optimizer with use_ema=True and ema_overwrite_frequency under a multi-replica strategy fails "
+            "in the first step ('merge_call called while defining a new graph', in Cond.call()): apply overwrites "
+            "the weights with their moving averages inside ops.cond, and that overwrite calls merge_call.",
+            remedy="The optimizer's apply (on gradients already summed over replicas) runs once in cross-replica "
+            "context, where the conditional overwrite updates every replica's copy without merge_call.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="multi_worker_output_reduction",
+            package="keras",
+            verified=">=3.15,<3.16",
+            upstream="https://github.com/keras-team/keras/issues/20585 (follow-up: scalar step outputs reduced with axis=0)",
+            symptom="Under MultiWorkerMirroredStrategy, fit/evaluate reduce every step output with "
+            "strategy.reduce('MEAN', value, axis=0), which fails on scalar metrics ('Invalid reduction "
+            "dimension 0 for input with 0 dimensions') and averages away axis 0 of other outputs.",
+            remedy="Under a multi-worker strategy each replica's step outputs get a leading replica "
+            "axis of size 1, so Keras' axis-0 mean is exactly the mean over replicas.",
+            remove_when=_OPEN,
+        ),
+        Fix(
+            name="empty_batch_convolution",
+            package="tensorflow",
+            verified=">=2.21,<2.22",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/kernels/depthwise_conv_grad_op.cc (zero-size batches; also the oneDNN conv kernels, tensorflow/core/kernels/mkl/; no upstream report found)",
+            symptom="A replica whose share of a (last, partial) batch is empty breaks CPU convolutions: with oneDNN on "
+            "some CPUs a Conv on 0 examples returns the input's channel count and the next layer fails ('input depth "
+            "must be evenly divisible by filter depth'), and a SeparableConv's depthwise-kernel gradient over 0 "
+            "examples is uninitialized memory (e.g. 1e24), summed into every replica's weights.",
+            remedy="Under a multi-replica strategy Keras' TensorFlow conv, depthwise, separable and transposed "
+            "convolutions run an empty batch as one example of zeros and keep none of its rows: the right output "
+            "shape and exactly zero gradients, what a replica without examples contributes.",
+            remove_when=_OPEN_TF,
+        ),
+        Fix(
+            name="sigterm_default_action",
+            package="tensorflow",
+            verified=">=2.21,<2.22",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/third_party/xla/xla/tsl/distributed_runtime/preemption/preemption_notifier.cc (SigtermNotifier)",
+            symptom="Once a worker joins a multi-worker cluster, TensorFlow's preemption notifier catches "
+            "SIGTERM and the process keeps training, so `kill`, Kubernetes and SLURM cannot stop it "
+            "gracefully and the launcher must wait for its grace period and SIGKILL.",
+            remedy="After joining, SIGTERM gets its default action back (terminate) unless the script "
+            "installed its own Python handler.",
+            remove_when=_OPEN_TF,
+        ),
+        Fix(
+            name="multi_worker_steps_per_execution",
+            package="tensorflow",
+            verified=">=2.21,<2.22",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (multi_step_on_iterator; no upstream report found)",
+            symptom="With steps_per_execution > 1 under MultiWorkerMirroredStrategy, Keras runs the "
+            "step inside tf.cond inside tf.while_loop and TensorFlow fails on the collective ops "
+            "there: 'You must feed a value for placeholder tensor .../while/cond/Placeholder'.",
+            remedy="Under a multi-worker strategy compile uses steps_per_execution=1 and warns "
+            "(the numbers are the same; only per-step overhead grows).",
+            remove_when=_OPEN_TF,
+        ),
+        Fix(
+            name="file_sharding_cache",
+            package="tensorflow",
+            verified=">=2.21,<2.22",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/grappler/optimizers/data/auto_shard.cc (FILE rewrite keeps the cache resource; no upstream report found)",
+            symptom="Under FILE auto-sharding, a pipeline with a cache() after its file readers (in memory, "
+            "as TFDS adds to small datasets, or in a file) that was filled before being distributed gives "
+            "every worker every example: the rewrite shards the file names but the filled cache is read.",
+            remedy="keras-dist shards such pipelines by DATA (sharded after the cache) and warns once, "
+            "naming the ways to keep FILE sharding.",
+            remove_when=_OPEN_TF,
+        ),
+        Fix(
+            name="slurm_cpu_nodes",
+            package="tensorflow",
+            verified=">=2.21,<2.22",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/python/distribute/cluster_resolver/slurm_cluster_resolver.py (get_num_gpus, cluster_spec)",
+            symptom="SlurmClusterResolver on nodes without GPUs fails: it runs nvidia-smi "
+            "(FileNotFoundError), and with gpus_per_node=0 divides GPUs among tasks with a range step "
+            "of 0 (ValueError).",
+            remedy="On nodes without GPUs keras-dist gives the resolver one placeholder GPU slot per "
+            "task and tells it not to set CUDA_VISIBLE_DEVICES; the cluster spec is unchanged.",
+            remove_when=_OPEN_TF,
+        ),
+    ]
+}
