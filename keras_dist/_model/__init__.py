@@ -22,7 +22,12 @@ the module of this package named after the job, passing Keras' own method
 - `saving`: save/save_weights/load_weights on the chief, atomically.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 import keras
+import tensorflow as tf
 
 from keras_dist import _compat, collectives
 from keras_dist._model import construction, metrics, placement, saving, step, step_functions, user_step, workers, xla
@@ -30,6 +35,7 @@ from keras_dist._model import fit as fitting
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import step_state
 from keras_dist.collectives import _optimizer as collectives_optimizer
+from keras_dist.collectives._options import CommunicationValue
 from keras_dist.data import _sharding as data_sharding
 from keras_dist.strategy import _plan
 
@@ -102,7 +108,7 @@ class DistributedModel(keras.Model):
     True
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: Any, **kwargs: Any) -> DistributedModel:
         for name in construction.OWN_ARGUMENTS:
             kwargs.pop(name, None)
         # The constructor's arguments are `DistributedModel.__init__`'s only when the class keeps that
@@ -115,7 +121,14 @@ class DistributedModel(keras.Model):
             return super().__new__(construction.functional_class(cls), *args, **kwargs)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args, strategy="auto", communication=None, auto_shard_policy="auto", **kwargs):
+    def __init__(
+        self,
+        *args: Any,
+        strategy: str | tf.distribute.Strategy = "auto",
+        communication: CommunicationValue = None,
+        auto_shard_policy: str | tf.data.experimental.AutoShardPolicy = "auto",
+        **kwargs: Any,
+    ) -> None:
         auto_shard_policy = data_sharding.validate_auto_shard_policy(auto_shard_policy)
         communication = collectives.CommunicationOptions.from_value(communication)
         construction.require_gpus_for_nccl(communication)
@@ -123,7 +136,7 @@ class DistributedModel(keras.Model):
         with resolved.scope():
             construction.init_keras_model(self, args, kwargs)
         self._distribute_strategy = resolved
-        self._distribute_reduction_method = None
+        self._distribute_reduction_method: str | None = None
         self.auto_shard_policy = auto_shard_policy
         self.communication = communication
         self.input_plan = None
@@ -136,12 +149,12 @@ class DistributedModel(keras.Model):
 
     # ----------------------------------------------------------------- state
     @property
-    def distribute_reduction_method(self):
+    def distribute_reduction_method(self) -> str:
         """String: how step outputs are combined across replicas (`"auto"` by default)."""
         return getattr(self, "_distribute_reduction_method", None) or "auto"
 
     @distribute_reduction_method.setter
-    def distribute_reduction_method(self, value):
+    def distribute_reduction_method(self, value: str | None) -> None:
         if value is not None and value not in step_functions.REDUCTION_METHODS:
             raise ValueError(
                 f"`distribute_reduction_method` must be one of {step_functions.REDUCTION_METHODS}. "
@@ -155,7 +168,7 @@ class DistributedModel(keras.Model):
         placement.distribute_state(self)
 
     # --------------------------------------------------------------- compile
-    def compile(self, *args, **kwargs):
+    def compile(self, *args: Any, **kwargs: Any) -> None:
         """Configures the model for training, exactly as `keras.Model.compile`.
 
         Everything `compile` creates (optimizer, loss and metric state) is
@@ -187,12 +200,12 @@ class DistributedModel(keras.Model):
             collectives_optimizer.distributed_optimizer(self.optimizer, self.communication)
         self._distribute_state()
 
-    def compile_from_config(self, config):
+    def compile_from_config(self, config: dict[str, Any]) -> None:
         """Compiles from a saved compile config (what `keras.models.load_model` calls)."""
         saving.compile_from_config(self, config)
 
     # ----------------------------------------------------- fit / evaluate / predict
-    def fit(self, *args, **kwargs):
+    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         """Trains the model, exactly as `keras.Model.fit`.
 
         `x` and `validation_data` may also be a `keras_dist.data.DatasetCreator`.
@@ -221,15 +234,15 @@ class DistributedModel(keras.Model):
         """
         return fitting.fit(self, super().fit, args, kwargs)
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Evaluates the model, exactly as `keras.Model.evaluate` (see `fit` for errors)."""
         return fitting.evaluate(self, super().evaluate, args, kwargs)
 
-    def predict(self, *args, **kwargs):
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
         """Predicts, exactly as `keras.Model.predict`: every worker gets all rows in input order."""
         return fitting.predict(self, super().predict, args, kwargs)
 
-    def predict_on_batch(self, x):
+    def predict_on_batch(self, x: Any) -> Any:
         """Returns predictions for one batch, split across the replicas like `predict`.
 
         Keras 3 hands the undivided batch to every replica and concatenates the
@@ -240,7 +253,7 @@ class DistributedModel(keras.Model):
         return fitting.predict_on_batch(self, x)
 
     # ------------------------------------------------------------ saving
-    def save(self, filepath, *args, **kwargs):
+    def save(self, filepath: str, *args: Any, **kwargs: Any) -> None:
         """Saves the model, as `keras.Model.save`, atomically and on the chief only.
 
         The file is written under a temporary name in the same directory and
@@ -260,11 +273,11 @@ class DistributedModel(keras.Model):
         """
         return saving.save(self, super().save, filepath, args, kwargs)
 
-    def save_weights(self, filepath, *args, **kwargs):
+    def save_weights(self, filepath: str, *args: Any, **kwargs: Any) -> None:
         """Saves the weights, as `keras.Model.save_weights`, atomically and on the chief only (see `save`)."""
         return saving.save_weights(self, super().save_weights, filepath, args, kwargs)
 
-    def load_weights(self, filepath, *args, **kwargs):
+    def load_weights(self, filepath: str, *args: Any, **kwargs: Any) -> None:
         """Loads weights, as `keras.Model.load_weights`; a partial gradient-accumulation cycle saved with them continues."""
         return saving.load_weights(self, super().load_weights, filepath, args, kwargs)
 
@@ -272,7 +285,7 @@ class DistributedModel(keras.Model):
         return workers.agreement(self)
 
     # ------------------------------------------------------------ the steps
-    def train_step(self, data):
+    def train_step(self, data: Any) -> dict[str, Any]:
         """Keras' `train_step`, with each replica's loss counted as in the global batch's loss.
 
         Every way of writing a compiled loss gives the gradient and the
@@ -290,13 +303,15 @@ class DistributedModel(keras.Model):
             return super().train_step(data)
         return step.train_step(self, data, overrides_metrics_result=self._overrides("get_metrics_result"))
 
-    def test_step(self, data):
+    def test_step(self, data: Any) -> dict[str, Any]:
         """Keras' `test_step`, with the logged loss the global batch's (each loss term by its own divisor)."""
         if step.uses_keras_step(self):
             return super().test_step(data)
         return step.test_step(self, data)
 
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+    def compute_loss(
+        self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None, training: bool = True
+    ) -> Any:
         """Keras' `compute_loss`; inside a `train_step` of your own, made exact for the global batch.
 
         Called from a `train_step`/`test_step` you wrote (keras.io's
@@ -319,7 +334,7 @@ class DistributedModel(keras.Model):
         )
 
     @property
-    def custom_step_losses(self):
+    def custom_step_losses(self) -> str:
         """String, what the losses of a `train_step`/`test_step` you wrote are: `"mean"` (the default) or `"global"`.
 
         `"mean"`: as keras.io writes them, each replica's step computes the
@@ -335,12 +350,12 @@ class DistributedModel(keras.Model):
         return self.__dict__.get("_keras_dist_custom_step_losses", "mean")
 
     @custom_step_losses.setter
-    def custom_step_losses(self, value):
+    def custom_step_losses(self, value: str) -> None:
         user_step.check_custom_step_losses(value)
         self.__dict__["_keras_dist_custom_step_losses"] = value
         self.train_function = self.test_function = None
 
-    def get_metrics_result(self):
+    def get_metrics_result(self) -> dict[str, Any]:
         """Returns the metric results, computed from state summed over all replicas."""
         return metrics.get_metrics_result(self, super().get_metrics_result)
 
@@ -349,7 +364,7 @@ class DistributedModel(keras.Model):
         return metrics.result_from_summed_state(self, strategy, super().get_metrics_result)
 
     # ------------------------------------------------------ step functions, build
-    def make_train_function(self, force=False):
+    def make_train_function(self, force: bool = False) -> Any:
         self._distribute_state()
         if getattr(self, "optimizer", None) is not None:
             collectives_optimizer.prepare_gradient_accumulation(
@@ -360,13 +375,13 @@ class DistributedModel(keras.Model):
             self.train_function = step_functions.make(self, self.train_step, user_written=self._overrides("train_step"))
         return self.train_function
 
-    def make_test_function(self, force=False):
+    def make_test_function(self, force: bool = False) -> Any:
         self._distribute_state()
         if self.test_function is None or force:
             self.test_function = step_functions.make(self, self.test_step, user_written=self._overrides("test_step"))
         return self.test_function
 
-    def make_predict_function(self, force=False):
+    def make_predict_function(self, force: bool = False) -> Any:
         self._distribute_state()
         return super().make_predict_function(force=force)
 
