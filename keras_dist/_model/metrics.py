@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _compat
+from keras_dist._runtime import keras_internals as ki
 
 
 def get_metrics_result(model, keras_get_metrics_result):
@@ -73,7 +74,7 @@ class SummedMetrics:
         may read the weights (it would see them before the step).
         """
         model = self.model
-        compiled = model._compile_metrics.metrics if model._compile_metrics is not None else []
+        compiled = ki.compiled_metrics(model)
         if (
             type(model).compute_metrics is not keras.Model.compute_metrics
             or self.overrides_metrics_result

@@ -58,7 +58,7 @@ def remember(model, replica_jit_compile):
     """After Keras' `compile`: keep the choice, and save it with the model so a loaded one compiles again."""
     model.__dict__[_REPLICA_JIT_COMPILE] = replica_jit_compile
     if replica_jit_compile:
-        model._compile_config.config["jit_compile"] = True
+        ki.record_compile_argument(model, "jit_compile", True)
 
 
 def rebuild_forward_backward(model):

@@ -25,6 +25,9 @@ __all__ = [
     "apply_once_in_cross_replica_context",
     "apply_without_merge_call",
     "compile_arguments",
+    "compiled_metrics",
+    "record_compile_argument",
+    "trainable_variables_of",
     "functional_init_arguments",
     "unpack_x_y_sample_weight",
     "unscale_loss_for_distribution",
@@ -64,6 +67,26 @@ def compile_arguments(model):
     if not getattr(model, "compiled", False) or config is None:
         return None
     return dict(config.config)
+
+
+def record_compile_argument(model, name, value):
+    """Sets `name=value` in the compile arguments Keras saves with the model (`model._compile_config`).
+
+    Used after `compile` so that `keras.models.load_model` compiles the loaded
+    model the same way (e.g. `jit_compile=True` that keras-dist applies per replica).
+    """
+    model._compile_config.config[name] = value
+
+
+def compiled_metrics(model):
+    """Returns the list of metrics `compile(metrics=...)` created (Keras' `model._compile_metrics`), or `[]`."""
+    compile_metrics = getattr(model, "_compile_metrics", None)
+    return compile_metrics.metrics if compile_metrics is not None else []
+
+
+def trainable_variables_of(optimizer):
+    """Returns the list of variables a built Keras optimizer updates (its private `_trainable_variables`)."""
+    return list(optimizer._trainable_variables)
 
 
 def dataset_element_spec(epoch_iterator):

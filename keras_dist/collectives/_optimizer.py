@@ -191,7 +191,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
         return keras_apply(optimizer, grads, trainable_variables)
     options = optimizer.__dict__[_OPTIONS].resolved(context.strategy)
     grads = list(grads)
-    variables = list(trainable_variables) if trainable_variables is not None else list(optimizer._trainable_variables)
+    variables = list(trainable_variables) if trainable_variables is not None else ki.trainable_variables_of(optimizer)
     accumulating = accumulation.accumulates_anywhere(optimizer) and _compat.is_active(
         "gradient_accumulation_under_strategy"
     )

@@ -37,6 +37,19 @@ def test_model_attributes():
     assert model.distribute_strategy is strategy
 
 
+def test_compile_state_is_where_keras_keeps_it():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    assert ki.compiled_metrics(model) == []
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    model.evaluate(tf.ones((2, 2)), tf.ones((2, 1)), verbose=0)  # Keras builds the compiled metrics here.
+    assert [m.name for m in ki.compiled_metrics(model)] == ["mae"]
+    ki.record_compile_argument(model, "jit_compile", True)
+    assert ki.compile_arguments(model)["jit_compile"] is True
+    model.optimizer.build(model.trainable_variables)
+    assert [v.path for v in ki.trainable_variables_of(model.optimizer)] == [v.path for v in model.trainable_variables]
+
+
 def test_tf_functions_behind_keras_train_function():
     inputs = keras.Input((2,))
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
