@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Sequence
 
 import keras
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist._runtime import accumulation, step_state
+from keras_dist._runtime import accumulation, optimizer_patches, step_state
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import variables as variables_module
 from keras_dist.collectives import _all_reduce
 from keras_dist.collectives._options import CommunicationOptions, CommunicationValue
-
-_OPTIONS = "_keras_dist_communication"
-_SUMS = "_keras_dist_gradient_sums"
-_SUMS_VARIABLES = "_keras_dist_gradient_sums_variables"
 
 
 def distributed_optimizer(
@@ -82,11 +77,12 @@ def distributed_optimizer(
             f"Received: {type(optimizer).__name__}. Fix: pass a Keras 3 optimizer "
             "(e.g. `keras.optimizers.Adam()`); tf.keras (Keras 2) optimizers are not supported."
         )
-    optimizer.__dict__[_OPTIONS] = CommunicationOptions.from_value(communication)
-    if not isinstance(optimizer.__dict__.get("apply"), types.MethodType):
-        optimizer.__dict__["apply"] = types.MethodType(_apply_summed, optimizer)
-    if not isinstance(optimizer.__dict__.get("build"), types.MethodType):
-        optimizer.__dict__["build"] = types.MethodType(_build_under_its_strategy, optimizer)
+    optimizer_patches.install(
+        optimizer,
+        options=CommunicationOptions.from_value(communication),
+        apply=_apply_summed,
+        build=_build_under_its_strategy,
+    )
     return optimizer
 
 
@@ -97,7 +93,7 @@ def _build_under_its_strategy(optimizer, *args, **kwargs):
     (keras.io style, no `strategy.scope()`) would otherwise fail ("Need to be
     inside `with strategy.scope()`") or create variables no strategy mirrors.
     """
-    keras_build = types.MethodType(type(optimizer).build, optimizer)
+    keras_build = optimizer_patches.class_method(optimizer, "build")
     strategy = ki.optimizer_strategy(optimizer)
     if tf.distribute.has_strategy() or strategy is None or not variables_module.is_multi_replica(strategy):
         return keras_build(*args, **kwargs)
@@ -107,7 +103,7 @@ def _build_under_its_strategy(optimizer, *args, **kwargs):
 
 def is_distributed_optimizer(optimizer):
     """Returns whether `distributed_optimizer` was applied to `optimizer` (this instance)."""
-    return _OPTIONS in optimizer.__dict__
+    return optimizer_patches.state(optimizer) is not None
 
 
 def prepare_gradient_accumulation(
@@ -125,14 +121,16 @@ def prepare_gradient_accumulation(
         variables: The trainable variables, in the order their gradients
             reach `apply`. Memory: one extra copy of them per replica.
     """
-    if strategy.num_replicas_in_sync == 1 or not accumulation.accumulates_at_top_level(optimizer):
-        optimizer.__dict__.pop(_SUMS, None)
+    state = optimizer_patches.state(optimizer)
+    if state is None:  # Not a `distributed_optimizer`: its `apply` would not read the sums.
         return
-    sums = optimizer.__dict__.get(_SUMS)
+    if strategy.num_replicas_in_sync == 1 or not accumulation.accumulates_at_top_level(optimizer):
+        state.sums = None
+        return
+    sums = state.sums
     if sums is None or not sums.matches(variables):
         sums = accumulation.ReplicaGradientSums(strategy, variables, previous=sums)
-        optimizer.__dict__[_SUMS] = sums
-        optimizer.__dict__[_SUMS_VARIABLES] = list(variables)
+        state.sums, state.sums_variables = sums, list(variables)
         if optimizer.built:  # A partial cycle loaded into Keras' accumulators continues in the sums.
             accumulation.take_sums_from_keras_accumulators(optimizer, variables, sums, strategy, only=sums.new_ids)
 
@@ -144,11 +142,12 @@ def accumulation_saved_with_weights(optimizer, strategy):
     Collective under several workers (reading the sums sums them): every
     worker must enter it, as every worker calls `save`.
     """
-    sums = None if optimizer is None else optimizer.__dict__.get(_SUMS)
+    state = optimizer_patches.state(optimizer)
+    sums = None if state is None else state.sums
     if sums is None:
         yield
         return
-    variables = optimizer.__dict__[_SUMS_VARIABLES]
+    variables = state.sums_variables
     accumulation.copy_sums_to_keras_accumulators(optimizer, variables, sums, strategy)
     try:
         yield
@@ -158,9 +157,9 @@ def accumulation_saved_with_weights(optimizer, strategy):
 
 def accumulation_loaded_with_weights(optimizer, strategy):
     """After weights (with Keras' accumulators) were loaded: continue their partial cycle in the sums."""
-    sums = None if optimizer is None else optimizer.__dict__.get(_SUMS)
-    if sums is not None:
-        variables = optimizer.__dict__[_SUMS_VARIABLES]
+    state = optimizer_patches.state(optimizer)
+    if state is not None and state.sums is not None:
+        sums, variables = state.sums, state.sums_variables
         accumulation.take_sums_from_keras_accumulators(optimizer, variables, sums, strategy)
 
 
@@ -173,13 +172,11 @@ def weighs_examples_in_all_reduce(optimizer):
     (`step_state.EXAMPLES_IN_ALL_REDUCE`), the counts travel in the
     gradients' own all-reduce.
     """
-    apply = optimizer.__dict__.get("apply") if optimizer is not None else None
     return (
-        isinstance(apply, types.MethodType)
-        and apply.__func__ is _apply_summed
+        optimizer_patches.has_installed(optimizer, "apply", _apply_summed)
         and _compat.is_active("sum_gradients_before_apply")
         and not accumulation.accumulates_anywhere(optimizer)
-        and optimizer.__dict__[_OPTIONS].compression is None
+        and optimizer_patches.state(optimizer).options.compression is None
     )
 
 
@@ -189,7 +186,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1 or not _compat.is_active("sum_gradients_before_apply"):
         return keras_apply(optimizer, grads, trainable_variables)
-    options = optimizer.__dict__[_OPTIONS].resolved(context.strategy)
+    options = optimizer_patches.state(optimizer).options.resolved(context.strategy)
     grads = list(grads)
     variables = list(trainable_variables) if trainable_variables is not None else ki.trainable_variables_of(optimizer)
     accumulating = accumulation.accumulates_anywhere(optimizer) and _compat.is_active(
@@ -200,7 +197,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     step = step_state.current()
     if step is not None and step.weighting == step_state.EXAMPLES:  # A user's step: its replica's mean loss.
         grads = [_by_share(g, step) for g in grads]
-    sums = optimizer.__dict__.get(_SUMS)
+    sums = optimizer_patches.state(optimizer).sums
     names = (
         [getattr(v, "path", None) or v.name for v in variables]
         if variables_module.is_multi_worker(context.strategy)

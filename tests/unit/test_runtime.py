@@ -126,3 +126,29 @@ def test_backup_and_restore_internals(tmp_path):
     assert backup_and_restore.keras_methods(backup) is kept  # Keras' own, not the replacements.
     backup_and_restore.save_for_preemption(backup, 7)
     assert saved == [7]
+
+
+def test_optimizer_patches_replace_methods_on_the_instance_only():
+    from keras_dist._runtime import optimizer_patches
+
+    optimizer = keras.optimizers.SGD(0.1)
+    calls = []
+
+    def apply(opt, grads, trainable_variables=None):
+        calls.append("apply")
+
+    def build(opt, *args, **kwargs):
+        calls.append("build")
+
+    assert optimizer_patches.state(optimizer) is None
+    optimizer_patches.install(optimizer, options="first", apply=apply, build=build)
+    optimizer_patches.install(optimizer, options="second", apply=apply, build=build)  # Idempotent.
+    optimizer.apply([])
+    optimizer.build([])
+    assert calls == ["apply", "build"]
+    assert optimizer_patches.has_installed(optimizer, "apply", apply)
+    assert optimizer_patches.state(optimizer).options == "second"
+    assert [k for k in vars(optimizer) if k.startswith("_keras_dist")] == ["_keras_dist_state"]
+    other = keras.optimizers.SGD(0.1)  # The class keeps Keras' own methods.
+    assert not optimizer_patches.has_installed(other, "apply", apply)
+    assert optimizer_patches.class_method(optimizer, "apply").__func__ is keras.optimizers.SGD.apply
