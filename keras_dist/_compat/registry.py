@@ -36,11 +36,6 @@ class Fix:
     remedy: str
     remove_when: str
 
-    @property
-    def affected(self):
-        """The versions known to have the bug: those verified (an alias of `verified`)."""
-        return self.verified
-
     def applies_to_installed(self):
         """Returns whether the installed `package` version is in `verified`."""
         return versions.INSTALLED[self.package] in SpecifierSet(self.verified)
