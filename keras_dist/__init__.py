@@ -8,12 +8,41 @@ and, when `TF_CONFIG` or SLURM describes a cluster of several workers, joins it
 (TensorFlow needs the multi-worker strategy before its first operation); it
 changes nothing else. Inside the `keras-dist` command itself, importing the
 package loads nothing (the launcher runs without TensorFlow).
+
+TensorFlow is not a dependency of the package (pip would install the `tensorflow`
+distribution over a `tensorflow-cpu`, `tensorflow-tpu` or `tf-nightly`): without
+one, the import raises `ModuleNotFoundError` saying how to install it.
 """
 
 import os
+import sys
 
 from keras_dist._process import is_keras_dist_command as _is_keras_dist_command
 from keras_dist.version import __version__
+from keras_dist.version import supported_range as _supported_range
+
+
+def _missing_tensorflow_message():
+    """Returns what `import keras_dist` says where no `tensorflow` module can be imported."""
+    return (
+        "keras-dist trains through tf.distribute and needs TensorFlow "
+        f"(supported: {_supported_range('tensorflow')}). Received: no module named 'tensorflow' in "
+        f"this Python ({sys.executable}). keras-dist does not install TensorFlow itself, so that pip never "
+        "replaces the TensorFlow distribution you have. Fix: "
+        '`pip install "keras-dist[tensorflow]"` (installs the `tensorflow` distribution), or install the one '
+        "you use: `tensorflow-cpu`, `tensorflow-tpu` (with a `libtpu` that imports: see "
+        "docs/getting_started.md#tpu) or `tf-nightly`."
+    )
+
+
+def _require_tensorflow():
+    """Imports TensorFlow; raises `ModuleNotFoundError` with `_missing_tensorflow_message()` where it is missing."""
+    try:
+        import tensorflow  # noqa: F401  (Keras imports it next; a missing one fails here, with the fix)
+    except ModuleNotFoundError as e:
+        if e.name != "tensorflow":
+            raise  # TensorFlow is there, something it imports is not: TensorFlow's own message says what.
+        raise ModuleNotFoundError(_missing_tensorflow_message(), name="tensorflow") from None
 
 
 def _require_tensorflow_backend(backend):
@@ -27,6 +56,7 @@ def _require_tensorflow_backend(backend):
 
 if not _is_keras_dist_command():
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    _require_tensorflow()
 
     import keras as _keras
 
