@@ -1,9 +1,10 @@
 """The keras-dist version string (PEP 440), and the Python, Keras and TensorFlow versions it supports.
 
-`SUPPORTED` is the one statement of the supported range. `pyproject.toml` (`requires-python`, the
-`keras` and `[tensorflow]` minimums), the "Supported and tested" paragraph of `docs/compat.md`
-(`supported_statement()`, word for word) and `keras-dist env` state it; tests/unit/test_supported_range.py
-fails when one of them says something else. Imports nothing at module level (the launcher imports it).
+`SUPPORTED` is the one statement of the supported range. `pyproject.toml` (`declared_requirements()`:
+`requires-python`, the `keras` and `[tensorflow]` minimums), the "Supported and tested" paragraph of
+`docs/compat.md` (`supported_statement()`, word for word) and `keras-dist env` state it;
+tests/unit/test_supported_range.py fails when one of them says something else. Imports nothing at
+module level (the launcher imports it).
 """
 
 __version__ = "0.1.0.dev0"
@@ -64,7 +65,7 @@ def supported_summary() -> str:
     return ", ".join(f"{_NAMES[package]} {supported_range(package)}" for package in SUPPORTED)
 
 
-def tested_stacks() -> str:
+def describe_tested_stacks() -> str:
     """Returns `TESTED_STACKS` in one line: `"oldest: Python 3.10, Keras 3.10.0, TensorFlow 2.18.1; ..."`."""
     return "; ".join(
         f"{label}: " + ", ".join(f"{_NAMES[name]} {version}" for name, version in stack.items())
@@ -82,5 +83,21 @@ def supported_statement() -> str:
     return (
         f"Supported and tested: {supported_summary()}, whichever distribution installed them "
         "(tensorflow, tensorflow-cpu, tensorflow-tpu). "
-        f"CI tests three stacks ({tested_stacks()}) and watches {' and '.join(WATCHED)} without failing on them."
+        f"CI tests three stacks ({describe_tested_stacks()}) and watches {' and '.join(WATCHED)} without failing on them."
     )
+
+
+def declared_requirements() -> dict[str, str]:
+    """Returns what pyproject.toml must declare for `SUPPORTED`: `requires-python` and the minimums, no maximum.
+
+    Example:
+    >>> declared_requirements()
+    {'requires-python': '>=3.10,<3.14', 'keras': 'keras>=3.10', 'tensorflow': 'tensorflow>=2.18'}
+    """
+    oldest, newest = SUPPORTED["python"]
+    major, minor = newest.split(".")
+    return {
+        "requires-python": f">={oldest},<{major}.{int(minor) + 1}",
+        "keras": f"keras>={SUPPORTED['keras'][0]}",
+        "tensorflow": f"tensorflow>={SUPPORTED['tensorflow'][0]}",
+    }

@@ -56,7 +56,7 @@ def collect_environment(environ=None):
     environ = os.environ if environ is None else environ
     supported = {
         "range": version.supported_summary(),
-        "tested stacks": version.tested_stacks(),
+        "tested stacks": version.describe_tested_stacks(),
         "watched": f"{' and '.join(version.WATCHED)} (CI runs them; a failure there does not fail CI)",
     }
     sections = {"Versions": collect_versions(), "Supported and tested": supported}
