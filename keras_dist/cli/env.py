@@ -8,6 +8,7 @@ them as Markdown. Must not: join a cluster or create a strategy (it only reads).
 import importlib.util
 import os
 import platform
+import re
 import sys
 from importlib import metadata
 
@@ -157,7 +158,7 @@ def _describe_module(module, package, dists):
     found = []
     for dist in dict.fromkeys(dists):  # In order, once each.
         try:
-            found.append((dist, metadata.version(dist)))
+            found.append((_normalize(dist), metadata.version(dist)))
         except metadata.PackageNotFoundError:
             pass
     loaded = sys.modules.get(module)
@@ -175,6 +176,11 @@ def _describe_module(module, package, dists):
     if package is not None and running is not None:
         notes.append(_range_note(package, running))
     return f"{running or 'unknown version'} ({'; '.join(notes)})"
+
+
+def _normalize(dist):
+    """Returns a distribution's name as pip spells it (PEP 503): `tensorflow_tpu` -> `tensorflow-tpu`."""
+    return re.sub(r"[-_.]+", "-", dist).lower()
 
 
 def _range_note(package, installed):

@@ -124,7 +124,7 @@ def installed(monkeypatch):
             },
         ),
         (
-            {"tensorflow": ["tensorflow-tpu"], "keras": ["keras"]},
+            {"tensorflow": ["tensorflow_tpu"], "keras": ["keras"]},
             {
                 "tensorflow": "2.20.0 (distribution tensorflow-tpu; inside the supported range 2.18-2.21)",
                 "keras": "3.13.2 (distribution keras; inside the supported range 3.10-3.15)",
@@ -146,7 +146,7 @@ def test_env_names_the_distribution_that_installed_each_module(installed, monkey
         {
             "tf-nightly": "2.23.0.dev20260801",
             "keras-nightly": "3.16.0.dev2026080103",
-            "tensorflow-tpu": "2.20.0",
+            "tensorflow_tpu": "2.20.0",
             "keras": "3.13.2",
             "tensorflow-cpu": "2.20.0",
             "tensorflow": "2.21.0",
