@@ -139,10 +139,8 @@ def changes(planned, installed):
 def check(python, notebooks, source_dir):
     """Checks every notebook in `notebooks`; returns the exit status (see the module docstring)."""
     installed = installed_versions(python)
-    stack = ", ".join(
-        f"{name} {installed[name]}" for name in ("keras", "tensorflow", "tensorflow-datasets") if name in installed
-    )
-    print(f"stack: {python} ({stack or 'no keras, no tensorflow'})")
+    stack = ", ".join(f"{n} {v}" for n, v in sorted(installed.items()) if PROTECTED.match(n) and n != OURS)
+    print(f"stack: {python} ({stack or 'none of ' + PROTECTED.pattern})")
     status = 0
     for name in sorted(n for n in os.listdir(notebooks) if n.endswith(".ipynb")):
         source = install_cell(os.path.join(notebooks, name))
