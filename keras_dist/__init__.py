@@ -15,24 +15,10 @@ one, the import raises `ModuleNotFoundError` saying how to install it.
 """
 
 import os
-import sys
 
 from keras_dist._process import is_keras_dist_command as _is_keras_dist_command
 from keras_dist.version import __version__
-from keras_dist.version import supported_range as _supported_range
-
-
-def _missing_tensorflow_message():
-    """Returns what `import keras_dist` says where no `tensorflow` module can be imported."""
-    return (
-        "keras-dist trains through tf.distribute and needs TensorFlow "
-        f"(supported: {_supported_range('tensorflow')}). Received: no module named 'tensorflow' in "
-        f"this Python ({sys.executable}). keras-dist does not install TensorFlow itself, so that pip never "
-        "replaces the TensorFlow distribution you have. Fix: "
-        '`pip install "keras-dist[tensorflow]"` (installs the `tensorflow` distribution), or install the one '
-        "you use: `tensorflow-cpu`, `tensorflow-tpu` (with a `libtpu` that imports: see "
-        "docs/getting_started.md#tpu) or `tf-nightly`."
-    )
+from keras_dist.version import missing_tensorflow_message as _missing_tensorflow_message
 
 
 def _require_tensorflow():

@@ -3,9 +3,11 @@
 `SUPPORTED` is the one statement of the supported range. `pyproject.toml` (`declared_requirements()`:
 `requires-python`, the `keras` and `[tensorflow]` minimums), the "Supported and tested" paragraph of
 `docs/compat.md` (`supported_statement()`, word for word) and `keras-dist env` state it;
-tests/unit/test_supported_range.py fails when one of them says something else. Imports nothing at
-module level (the launcher imports it).
+tests/unit/test_supported_range.py fails when one of them says something else. Imports only the
+standard library at module level (the launcher imports it).
 """
+
+import sys
 
 __version__ = "0.1.0.dev0"
 
@@ -101,3 +103,16 @@ def declared_requirements() -> dict[str, str]:
         "keras": f"keras>={SUPPORTED['keras'][0]}",
         "tensorflow": f"tensorflow>={SUPPORTED['tensorflow'][0]}",
     }
+
+
+def missing_tensorflow_message() -> str:
+    """Returns what `import keras_dist` (and `keras-dist env`) say where no `tensorflow` module can be imported."""
+    return (
+        "keras-dist trains through tf.distribute and needs TensorFlow "
+        f"(supported: {supported_range('tensorflow')}). Received: no module named 'tensorflow' in "
+        f"this Python ({sys.executable}). keras-dist does not install TensorFlow itself, so that pip never "
+        "replaces the TensorFlow distribution you have. Fix: "
+        '`pip install "keras-dist[tensorflow]"` (installs the `tensorflow` distribution), or install the one '
+        "you use: `tensorflow-cpu`, `tensorflow-tpu` (with a `libtpu` that imports: see "
+        "docs/getting_started.md#tpu) or `tf-nightly`."
+    )

@@ -62,9 +62,7 @@ def collect_environment(environ=None):
     }
     sections = {"Versions": collect_versions(), "Supported and tested": supported}
     if importlib.util.find_spec("tensorflow") is None:
-        from keras_dist import _missing_tensorflow_message
-
-        return {**sections, "TensorFlow": {"error": _missing_tensorflow_message()}}
+        return {**sections, "TensorFlow": {"error": version.missing_tensorflow_message()}}
     return {**sections, **_collect_runtime(environ)}
 
 

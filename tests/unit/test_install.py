@@ -57,7 +57,7 @@ def test_import_without_tensorflow_says_what_is_needed_and_how_to_install_it(no_
 
 
 def test_the_message_states_the_supported_tensorflow_range():
-    assert "(supported: 2.18-2.21)" in keras_dist._missing_tensorflow_message()
+    assert "(supported: 2.18-2.21)" in keras_dist.version.missing_tensorflow_message()
 
 
 @pytest.mark.multi_worker  # Starts 2 worker processes (that import nothing).
