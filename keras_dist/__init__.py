@@ -8,12 +8,27 @@ and, when `TF_CONFIG` or SLURM describes a cluster of several workers, joins it
 (TensorFlow needs the multi-worker strategy before its first operation); it
 changes nothing else. Inside the `keras-dist` command itself, importing the
 package loads nothing (the launcher runs without TensorFlow).
+
+TensorFlow is not a dependency of the package (pip would install the `tensorflow`
+distribution over a `tensorflow-cpu`, `tensorflow-tpu` or `tf-nightly`): without
+one, the import raises `ModuleNotFoundError` saying how to install it.
 """
 
 import os
 
 from keras_dist._process import is_keras_dist_command as _is_keras_dist_command
 from keras_dist.version import __version__
+from keras_dist.version import missing_tensorflow_message as _missing_tensorflow_message
+
+
+def _require_tensorflow():
+    """Imports TensorFlow; raises `ModuleNotFoundError` with `_missing_tensorflow_message()` where it is missing."""
+    try:
+        import tensorflow  # noqa: F401  (Keras imports it next; a missing one fails here, with the fix)
+    except ModuleNotFoundError as e:
+        if e.name != "tensorflow":
+            raise  # TensorFlow is there, something it imports is not: TensorFlow's own message says what.
+        raise ModuleNotFoundError(_missing_tensorflow_message(), name="tensorflow") from None
 
 
 def _require_tensorflow_backend(backend):
@@ -27,6 +42,7 @@ def _require_tensorflow_backend(backend):
 
 if not _is_keras_dist_command():
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    _require_tensorflow()
 
     import keras as _keras
 

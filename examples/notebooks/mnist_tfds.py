@@ -17,6 +17,11 @@
 # replicas, so the same notebook shows a real all-reduce anywhere.
 #
 # `SMOKE` (set by the project's CI) trains a few steps on TFDS mock data, since CI cannot download.
+#
+# Written for Colab's GPU runtime (*Runtime > Change runtime type > GPU*) as published in August
+# 2026: Python 3.13, keras 3.13.2, tensorflow 2.20.0, tensorflow-datasets 4.9.10. The first cell
+# installs keras-dist alone and keeps that stack (`ci/stacks/check_install_cells.py` checks it with
+# pip's dry run on a copy of the stack). Run by the project on CPU in smoke mode, not on Colab's GPU.
 
 # %%
 import os
@@ -24,7 +29,7 @@ import subprocess
 import sys
 
 SMOKE = bool(os.environ.get("KERAS_DIST_SMOKE"))
-if not SMOKE:  # Colab: install keras-dist from the repository.
+if not SMOKE:  # Colab: keras-dist alone; the runtime's TensorFlow, Keras and TFDS stay as they are.
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True
     )

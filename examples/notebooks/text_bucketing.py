@@ -38,7 +38,7 @@ import subprocess
 import sys
 
 SMOKE = bool(os.environ.get("KERAS_DIST_SMOKE"))
-if not SMOKE:  # Colab: install keras-dist from the repository.
+if not SMOKE:  # Colab: keras-dist alone; the runtime's TensorFlow, Keras and TFDS stay as they are.
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True
     )

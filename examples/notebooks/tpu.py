@@ -18,18 +18,30 @@
 # replicas. TPUs compile one program per input shape, so the batches have a static shape
 # (`drop_remainder=True`).
 #
-# Not yet run on a real TPU by the project's CI (no TPU there): CI runs it in smoke mode on CPU.
+# Colab's TPU runtime has no TensorFlow, so the first cell installs it there: `tensorflow-tpu`
+# 2.20.0 (the newest on the package index) with `libtpu` 0.0.14. Left to itself pip pairs
+# tensorflow-tpu 2.20.0 with the newest libtpu (0.0.52, made for JAX), and then
+# `import tensorflow` aborts (`ConfigureDistributedTpuOp_DoWork not available`). That libtpu
+# replaces the runtime's own, so JAX may not work in this runtime afterwards. Where TensorFlow is
+# installed (Colab's CPU and GPU runtimes), the cell installs keras-dist alone.
+#
+# What was run: CI runs this notebook in smoke mode on CPU, and the install cell's packages were
+# installed on a CPU machine, where `import tensorflow` works (after `TPU_SKIP_MDS_QUERY=1`: off
+# Google Cloud, libtpu otherwise waits minutes for the cloud metadata server) and
+# `strategy="tpu"` says that no TPU was found. Not yet run on a real TPU.
 
 # %%
+import importlib.util
 import os
 import subprocess
 import sys
 
 SMOKE = bool(os.environ.get("KERAS_DIST_SMOKE"))
-if not SMOKE:  # Colab: install keras-dist from the repository.
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/keras-dist/keras-dist"], check=True
-    )
+if not SMOKE:  # Colab: install keras-dist; the runtime's TensorFlow and Keras stay as they are.
+    packages = ["git+https://github.com/keras-dist/keras-dist"]
+    if importlib.util.find_spec("tensorflow") is None:  # Colab's TPU runtime: no TensorFlow.
+        packages += ["tensorflow-tpu==2.20.0", "libtpu==0.0.14"]  # The newest libtpu's import aborts.
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *packages], check=True)
 
 # %%
 import keras_dist

@@ -5,14 +5,18 @@ Owns: collecting versions, devices, the detected cluster, the strategy
 them as Markdown. Must not: join a cluster or create a strategy (it only reads).
 """
 
+import importlib.util
 import os
 import platform
+import re
 import sys
 from importlib import metadata
 
-from keras_dist import _env
+from keras_dist import _env, version
 
-_PACKAGES = ("keras-dist", "keras", "tensorflow", "tensorflow-datasets", "numpy", "protobuf")
+# The modules whose version and distribution the report names, with the package name of `version.SUPPORTED`.
+_MODULES = {"keras": "keras", "tensorflow": "tensorflow", "tensorflow_datasets": None, "numpy": None}
+_DISTRIBUTIONS = ("protobuf", "libtpu")  # Looked up by distribution name (no module of their own to ask).
 
 
 def env_command_parser(subparsers):
@@ -50,17 +54,24 @@ def collect_environment(environ=None):
     Returns:
         Dict from section title to a dict of `name: value` strings.
     """
+    environ = os.environ if environ is None else environ
+    supported = {
+        "range": version.supported_summary(),
+        "tested stacks": version.describe_tested_stacks(),
+        "watched": f"{' and '.join(version.WATCHED)} (CI runs them; a failure there does not fail CI)",
+    }
+    sections = {"Versions": collect_versions(), "Supported and tested": supported}
+    if importlib.util.find_spec("tensorflow") is None:
+        return {**sections, "TensorFlow": {"error": version.missing_tensorflow_message()}}
+    return {**sections, **_collect_runtime(environ)}
+
+
+def _collect_runtime(environ):
+    """Returns the sections that need TensorFlow: devices, cluster, strategy, fixes, settings."""
     from keras_dist import _compat
     from keras_dist._runtime import devices
     from keras_dist.strategy import _cluster, _resolve
 
-    environ = os.environ if environ is None else environ
-    versions = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for package in _PACKAGES:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "not installed"
     try:
         info = _cluster.cluster_from_environment(environ)
         cluster = {
@@ -80,7 +91,6 @@ def collect_environment(environ=None):
         num_cpu_replicas=devices.num_logical_cpus(),
     )
     return {
-        "Versions": versions,
         "Devices": {
             "GPUs": ", ".join(devices.gpu_names()) or "none",
             "logical CPU devices (replicas)": str(devices.num_logical_cpus()),
@@ -92,6 +102,89 @@ def collect_environment(environ=None):
         "Settings": {k: v for k, v in sorted(environ.items()) if k.startswith(_env.PREFIX)}
         or {f"{_env.PREFIX}*": "none set"},
     }
+
+
+def collect_versions(distributions=None):
+    """Returns `{name: description}` for Python, keras-dist, Keras, TensorFlow, TFDS, NumPy, protobuf, libtpu.
+
+    Each module is named with the distribution that installed it (`tf-nightly`, `tensorflow-tpu`,
+    `keras-nightly`...), found from the installed files (`importlib.metadata.packages_distributions`),
+    not by a distribution's name; Python, Keras and TensorFlow also say whether their version is
+    inside the supported range (`keras_dist.version.SUPPORTED`).
+
+    Args:
+        distributions: Mapping from a top-level module to the distributions that install it.
+            Defaults to `importlib.metadata.packages_distributions()`.
+
+    Returns:
+        Dict from name to a one-line string.
+    """
+    if distributions is None:
+        distributions = metadata.packages_distributions()
+    python = sys.version.split()[0]
+    versions = {
+        "python": f"{python} ({_range_note('python', python)})",
+        "platform": platform.platform(),
+        "keras-dist": _keras_dist_version(),
+    }
+    for module, package in _MODULES.items():
+        versions[module.replace("_", "-")] = _describe_module(module, package, distributions.get(module, ()))
+    for name in _DISTRIBUTIONS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def _keras_dist_version():
+    where = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        installed = metadata.version("keras-dist")
+    except metadata.PackageNotFoundError:
+        return f"{version.__version__} (no installed distribution: imported from {where})"
+    if installed != version.__version__:
+        return f"{version.__version__} (imported from {where}; the installed distribution says {installed})"
+    return version.__version__
+
+
+def _describe_module(module, package, dists):
+    """Returns `"2.20.0 (distribution tensorflow-tpu; inside the supported range 2.18-2.21)"` and the like."""
+    spec = importlib.util.find_spec(module)
+    if spec is None:
+        return "not installed"
+    found = []
+    for dist in dict.fromkeys(dists):  # In order, once each.
+        try:
+            found.append((_normalize(dist), metadata.version(dist)))
+        except metadata.PackageNotFoundError:
+            pass
+    loaded = sys.modules.get(module)
+    running = getattr(loaded, "__version__", None) or (found[0][1] if len(found) == 1 else None)
+    if not found:
+        notes = [f"no installed distribution: imported from {spec.origin}"]
+    elif len(found) == 1:
+        notes = [f"distribution {found[0][0]}"]
+    else:
+        listed = ", ".join(f"{dist} {installed}" for dist, installed in found)
+        notes = [
+            f"distributions {listed} each install the `{module}` module, over one another's files: "
+            "uninstall them all, then install one"
+        ]
+    if package is not None and running is not None:
+        notes.append(_range_note(package, running))
+    return f"{running or 'unknown version'} ({'; '.join(notes)})"
+
+
+def _normalize(dist):
+    """Returns a distribution's name as pip spells it (PEP 503): `tensorflow_tpu` -> `tensorflow-tpu`."""
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _range_note(package, installed):
+    where = "inside" if version.in_supported_range(package, installed) else "outside"
+    note = f"{where} the supported range {version.supported_range(package)}"
+    return note + (": not tested (see docs/compat.md)" if where == "outside" else "")
 
 
 def format_report(sections):

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 
 import tensorflow as tf
 
@@ -67,6 +68,8 @@ def resolve_strategy(strategy: str | tf.distribute.Strategy = "auto") -> tf.dist
         ValueError: An unknown name, or a strategy keras-dist cannot train with
             (`ParameterServerStrategy`, `CentralStorageStrategy`).
         TypeError: `strategy` is neither a string nor a strategy.
+        RuntimeError: `"tpu"` where TensorFlow cannot reach or initialize a TPU
+            (the message says what was found and what to install).
     """
     if isinstance(strategy, tf.distribute.Strategy):
         check_supported(strategy)
@@ -128,11 +131,7 @@ def _create(name):
     if name == "default":
         return tf.distribute.get_strategy()
     if name == "tpu":
-        address = _tpu_address()
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address or "")
-        tf.config.experimental_connect_to_cluster(resolver)
-        tf.tpu.experimental.initialize_tpu_system(resolver)
-        return tf.distribute.TPUStrategy(resolver)
+        return _create_tpu()
     if name == "multi_worker":
         return _create_multi_worker(_cluster.cluster_from_environment())
     gpus = [f"/gpu:{i}" for i in range(len(devices.gpu_names()))]
@@ -144,6 +143,56 @@ def _create(name):
         return tf.distribute.MirroredStrategy(gpus, cross_device_ops=cross_device_ops)
     cpus = [f"/cpu:{i}" for i in range(devices.num_logical_cpus())]
     return tf.distribute.MirroredStrategy(cpus, cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+def _create_tpu():
+    """Connects to the TPU and initializes it; raises `RuntimeError` saying what to do where there is none."""
+    address = _tpu_address()
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address or "")
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as e:
+        raise RuntimeError(no_tpu_message(address, e)) from None
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def no_tpu_message(address: str | None, error: Exception) -> str:
+    """Returns what `strategy="tpu"` says when TensorFlow cannot connect to a TPU or initialize it.
+
+    Args:
+        address: String, the TPU address tried (`TPU_NAME`, `COLAB_TPU_ADDR`, `"local"`), or `None`
+            (none found).
+        error: The exception TensorFlow raised.
+    """
+    from importlib import metadata
+
+    def installed(dist):
+        name = re.sub(r"[-_.]+", "-", dist).lower()  # As pip spells it: tensorflow_tpu -> tensorflow-tpu.
+        try:
+            return f"{name} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            return f"no {name}"
+
+    providers = dict.fromkeys(metadata.packages_distributions().get("tensorflow", []))
+    tensorflow = ", ".join(installed(dist) for dist in providers) or f"tensorflow {tf.__version__}"
+    libtpu = installed("libtpu")
+    found = ", ".join(device.name.replace("/physical_device:", "") for device in tf.config.list_physical_devices())
+    where = (
+        f"the TPU at {address!r}"
+        if address
+        else "a TPU: TPU_NAME and COLAB_TPU_ADDR are unset and TensorFlow lists no TPU device"
+    )
+    detail = str(getattr(error, "message", None) or error).strip().splitlines()
+    return (
+        'strategy="tpu" needs a TPU that TensorFlow can reach. Expected: a Colab TPU runtime or Cloud TPU VM '
+        "(TensorFlow lists its TPU devices), or TPU_NAME naming a Cloud TPU. "
+        f"Received: TensorFlow could not connect to {where} (devices: {found}; installed: {tensorflow}, {libtpu}). "
+        f"TensorFlow said: {type(error).__name__}: {detail[0][:300] if detail else ''} "
+        "Fix: on Colab choose Runtime > Change runtime type > TPU and run the notebook's install cell "
+        "(tensorflow-tpu and a libtpu that imports; docs/getting_started.md#tpu); on a Cloud TPU VM install "
+        'tensorflow-tpu; on a machine without a TPU use strategy="auto".'
+    )
 
 
 def _tpu_address():

@@ -2,6 +2,7 @@
 
 import json
 
+from keras_dist import _compat
 from keras_dist.cli import main
 from keras_dist.cli.env import collect_environment
 
@@ -20,9 +21,11 @@ def test_env_prints_versions_devices_cluster_and_fixes(capsys, monkeypatch):
         "- is_chief: False",
         "- worker:0: 127.0.0.1:1",
         'strategy="auto" would use: multi_worker',
-        "- multi_worker_output_reduction: https://",
+        "### Active compatibility fixes",
     ):
         assert expected in out
+    for fix in _compat.active_fixes():  # Which are active depends on the stack's versions (docs/compat.md).
+        assert f"- {fix.name}: https://" in out
 
 
 def test_env_reports_an_invalid_tf_config_instead_of_failing():
