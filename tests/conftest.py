@@ -62,3 +62,47 @@ def multi_replica_strategy(request):
 @pytest.fixture(autouse=True)
 def _seed():
     keras.utils.set_random_seed(1234)
+
+
+# The `stacks` subset: what `.ci/run` runs on every other supported stack (ci/stacks/: Colab's and
+# the oldest; the newest runs everything). Every compat fix's tests (tests/compat, both tiers), the
+# main job in-process and on two workers, real programs against one device (keras.io patterns: a
+# custom train_step, a GAN, masked sequences, BatchNorm with callbacks, a transformer, a scalar
+# loss), and a dead worker named by the others. Node-id prefixes, relative to the repository.
+STACKS_SUBSET = (
+    "tests/compat/",
+    "tests/unit/test_supported_range.py",
+    "tests/unit/test_install.py",
+    "tests/unit/test_cli_env.py",
+    "tests/integration/test_processes.py::test_main_example_smoke_run",
+    *(
+        f"tests/unit/test_corpus.py::test_program_matches_one_device[{name}]"
+        for name in (
+            "c02_transformer_classifier",
+            "c05_dcgan",
+            "c07_seq2seq_masking",
+            "c08_timeseries_bn_callbacks",
+            "c15_custom_train_step_compute_loss",
+            "c17_scalar_loss_function",
+        )
+    ),
+    "tests/integration/test_multi_worker.py::test_two_workers_match_single_device",
+    "tests/integration/test_multi_worker.py::test_main_example_runs_unchanged_on_two_workers",
+    "tests/integration/test_multi_worker.py::test_worker_killed_mid_epoch_fails_the_others_naming_it",
+    "tests/integration/test_corpus_multi_worker.py::test_program_on_two_workers_matches_one_device",
+)
+
+
+# Left out of the subset: the same checks again on 3 replicas, and the slowest duplicate (CI's time budget).
+STACKS_SUBSET_EXCEPT = (
+    "tests/compat/test_jit_compile_mirrored.py::test_with_fix_layer_state_updates_match_the_uncompiled_step[False]",
+    "tests/compat/test_jit_compile_mirrored.py::test_with_fix_each_replica_is_compiled_and_trains_like_one_device[mirrored_1x3_cpu]",
+    "tests/compat/test_gradient_accumulation_under_strategy.py::test_with_fix_weights_and_iterations_match_single_device[mirrored_1x3_cpu",
+    "tests/compat/test_ema_overwrite_under_strategy.py::test_with_fix_weights_averages_and_iterations_match_single_device[mirrored_1x3_cpu]",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(STACKS_SUBSET) and not item.nodeid.startswith(STACKS_SUBSET_EXCEPT):
+            item.add_marker(pytest.mark.stacks)
