@@ -7,8 +7,6 @@ issue 20). `keras_dist._compat.keras_fixes` switches them on and off.
 
 import dataclasses
 
-from packaging.specifiers import SpecifierSet
-
 from keras_dist._compat import versions
 
 
@@ -37,8 +35,8 @@ class Fix:
     remove_when: str
 
     def applies_to_installed(self):
-        """Returns whether the installed `package` version is in `verified`."""
-        return versions.INSTALLED[self.package] in SpecifierSet(self.verified)
+        """Returns whether the installed `package` version is in `verified` (pre-releases included: `versions.in_range`)."""
+        return versions.in_range(self.package, self.verified)
 
 
 _OPEN = "no upstream fix as of Keras 3.15.1; remove when a fixed release is the minimum supported"

@@ -16,12 +16,14 @@ import socket
 import threading
 
 import tensorflow as tf
-from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 
+from keras_dist._compat import locations
 from keras_dist._runtime import keras_internals
+
+coordination_config_pb2 = locations.coordination_config_module()  # Moved in TF 2.19 (keras_dist._compat.locations).
 
 
 class _CollectiveAllReduceExtended(_mwms.CollectiveAllReduceExtended):
