@@ -304,6 +304,20 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="summed_activity_regularization",
+            package="keras",
+            verified=">=3.10,<3.14",
+            upstream="https://github.com/keras-team/keras/issues/22018 (fixed in Keras 3.14 by keras-team/keras#22021)",
+            symptom="Keras before 3.14 adds each activity regularizer's value as it is, a sum over the batch: one "
+            "device's loss holds the global batch's sum, while keras-dist counted every replica's part of the "
+            "loss by its share of the examples, so a model with an activity_regularizer trained to other weights "
+            "than one device (1.5e-2 on 2 replicas with Keras 3.13.2).",
+            remedy="On those Keras versions each replica's activity regularization losses (those Layer.__call__ "
+            "adds) count once, as sums, in its part of the global batch's loss; from Keras 3.14 they are a mean "
+            "over examples, counted by the example share like the rest of the loss.",
+            remove_when="Keras 3.14 divides by the batch size: remove when 3.14 is the minimum supported",
+        ),
+        Fix(
             name="empty_batch_convolution",
             package="tensorflow",
             verified=">=2.21,<2.22",
