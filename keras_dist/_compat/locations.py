@@ -32,3 +32,12 @@ def tensorflow_backend_nn_module():
     if versions.release_at_least("keras", "3.16"):
         return importlib.import_module("keras.src.backend.tensorflow.ops.nn")
     return importlib.import_module("keras.src.backend.tensorflow.nn")
+
+
+def coordination_register_barrier_supported():
+    """Whether TensorFlow's `CoordinationServiceConfig` has `cluster_register_with_barrier` (TF 2.20 has, 2.18.1 has not).
+
+    Asked of the installed protos, not the version: TensorFlow 2.19 was not measured.
+    """
+    fields = coordination_config_module().CoordinationServiceConfig.DESCRIPTOR.fields_by_name
+    return "cluster_register_with_barrier" in fields
