@@ -15,6 +15,7 @@ from keras_dist._compat.keras_fixes import (
     disabled,
     is_active,
     is_forced,
+    sums_activity_regularization,
     unverified_fixes,
     warn_if_unverified,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "disabled",
     "is_active",
     "is_forced",
+    "sums_activity_regularization",
     "unverified_fixes",
     "warn_if_unverified",
 ]

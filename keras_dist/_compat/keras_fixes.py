@@ -84,6 +84,17 @@ def warn_if_unverified():
     )
 
 
+def sums_activity_regularization():
+    """Whether the installed Keras sums each activity regularizer's loss over the batch, and keras-dist counts it so.
+
+    Keras before 3.14 adds `activity_regularizer(output)` as it is; 3.14 divides it by the
+    batch size (keras-team/keras#22021). keras-dist's per-replica loss (`_runtime.loss_terms`)
+    counts the summed form once per replica while fix `summed_activity_regularization` is on.
+    Forcing the fix on a Keras that divides changes nothing: there the loss is a mean over examples.
+    """
+    return not versions.release_at_least("keras", "3.14") and is_active("summed_activity_regularization")
+
+
 @contextlib.contextmanager
 def disabled(*names):
     """Context manager that turns fixes off, to reproduce the bugs they prevent.

@@ -7,8 +7,6 @@ issue 20). `keras_dist._compat.keras_fixes` switches them on and off.
 
 import dataclasses
 
-from packaging.specifiers import SpecifierSet
-
 from keras_dist._compat import versions
 
 
@@ -20,12 +18,19 @@ class Fix:
         name: String, the fix's identifier (also `tests/compat/test_<name>.py`).
         package: String, `"keras"` or `"tensorflow"`: whose version gates it.
         verified: String `SpecifierSet`, the versions of `package` on which the
-            bug was reproduced and the remedy verified (closed: `">=3.15,<3.16"`).
-            The fix is off on any other version unless forced.
+            bug was reproduced and the remedy verified (closed: `">=3.10,<3.16"`,
+            from the oldest to the newest minor in `checked_on`). The fix is off
+            on any other version unless forced.
         upstream: String, the upstream issue or pull request.
         symptom: One sentence on what breaks for users without the fix.
         remedy: One sentence on what keras-dist does instead.
         remove_when: When to delete the fix.
+        checked_on: Tuple of version strings of `package` on which its
+            `tests/compat/test_<name>.py` ran (issue 20): the without-the-fix
+            test reproduced the bug and the with-the-fix tests passed. Releases,
+            then nightly builds the fix works on (those do not widen `verified`).
+        notes: String, what the runs found beyond that (a version without the
+            bug, a test that cannot run on a version), or empty.
     """
 
     name: str
@@ -35,10 +40,12 @@ class Fix:
     symptom: str
     remedy: str
     remove_when: str
+    checked_on: tuple = ()
+    notes: str = ""
 
     def applies_to_installed(self):
-        """Returns whether the installed `package` version is in `verified`."""
-        return versions.INSTALLED[self.package] in SpecifierSet(self.verified)
+        """Returns whether the installed `package` version is in `verified` (pre-releases included: `versions.in_range`)."""
+        return versions.in_range(self.package, self.verified)
 
 
 _OPEN = "no upstream fix as of Keras 3.15.1; remove when a fixed release is the minimum supported"
@@ -50,7 +57,7 @@ FIXES = {
         Fix(
             name="example_weighted_loss",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/issues/15509 (also tensorflow/tensorflow#45594)",
             symptom="Under a strategy Keras divides each replica's loss by num_replicas_in_sync: an uneven split "
             "(the last batch), a masked loss (each replica's own token mean), a 'sum' or sample-weight-mean "
@@ -60,12 +67,13 @@ FIXES = {
             remedy="Each replica computes its loss as one device would; each loss term counts by its own "
             "divisor's share (examples, unmasked tokens, sample weights, or 1 for sums), in the gradient "
             "all-reduce when all are example means, else after one small all-reduce of the divisors.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="custom_step_example_weighting",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://keras.io/guides/custom_train_step_in_tensorflow/ (written for one device; no upstream report found)",
             symptom="A train_step written for one device (keras.io: its own ops.mean loss or self.compute_loss, "
             "apply_gradients, Mean loss trackers) takes num_replicas_in_sync times the one-device step, "
@@ -73,23 +81,25 @@ FIXES = {
             remedy="While a user's train_step/test_step runs, Keras' loss scaling is off, each replica's "
             "gradients count by its share of the global batch's examples, compute_loss counts each term by "
             "its divisor, and scalar Mean tracker updates count by the example share.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="symbolic_build_from_spec",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/issues/20585 (also tensorflow/tensorflow#58809)",
             symptom="fit/evaluate build the model by taking a batch from the user's distributed "
             "iterator and reducing it across replicas, which fails when the first batch is smaller "
             "than the number of replicas or is split unevenly.",
             remedy="The model is built from the dataset's element spec; no batch is taken.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="build_in_replica_context",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (_maybe_symbolic_build under strategy.scope(); no upstream report found)",
             symptom="fit/evaluate/predict build the model by tracing call under strategy.scope() (cross-replica "
             "context), so a layer that calls a collective in call (tf.distribute.get_replica_context().all_reduce, "
@@ -97,24 +107,26 @@ FIXES = {
             "('NoneType' object has no attribute 'all_reduce').",
             remedy="The symbolic build traces call in a replica context of the model's strategy (replica 0) whose "
             "collectives only keep shapes; the steps then run the real collectives inside strategy.run.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="ragged_symbolic_build",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/trainers/trainer.py (_symbolic_build: to_symbolic_input makes every spec a dense KerasTensor; no upstream report found)",
             symptom="Under a strategy, fit/evaluate/predict on ragged batches (ragged_batch) build the model by "
             "calling it on a dense placeholder, so a call that handles the tf.RaggedTensor it will get "
             "(x.to_tensor(), x.row_lengths()) fails: 'Unable to automatically build the model'.",
             remedy="When the inputs have ragged or sparse parts, call is traced on placeholders of that type; "
             "metric, loss and optimizer state are built as Keras builds them.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="build_without_call",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (_maybe_symbolic_build: only under a strategy; one device defers; no upstream report found)",
             symptom="Under a strategy, fit/evaluate build the model by calling it, so a model without `call()` "
             "that trains only through its own train_step (the keras.io GAN) fails before training: 'Unable to "
@@ -123,12 +135,13 @@ FIXES = {
             "the strategy's scope, as Keras builds it; layers not built yet build in the first step, as on one "
             "device, but once and outside the step function (merge_call, init_scope), as optimizers do with "
             "`optimizer_built_in_step`.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="optimizer_built_in_step",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (apply builds the optimizer lazily; no upstream report found)",
             symptom="Under a multi-replica strategy, an optimizer first applied inside a train_step (a GAN's "
             "`d_optimizer`, set in its own compile) creates its variables inside the step function, and the "
@@ -136,99 +149,109 @@ FIXES = {
             remedy="The model's optimizers (compiled, or kept in its attributes) build themselves, when first "
             "applied in a replica context, once in cross-replica context and eagerly (merge_call, init_scope), "
             "on the variables of that first apply.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1"),
+            notes="keras-nightly 3.16.0.dev2026102704 does not reproduce the bug (the first step no longer fails with its message): the fix is off there; if Keras 3.16 is released so, the range ends at 3.16.",
             remove_when=_OPEN,
         ),
         Fix(
             name="cross_replica_metrics",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/issues/18667",
             symptom="Metric results are computed per replica from local state and then averaged, "
             "so uneven batches give logged metrics that differ from single-device values.",
             remedy="Metric results are computed in cross-replica context from the summed "
             "on-read state (as tf.keras did), identical on every replica.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="mirrored_layer_state",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/issues/18667 (also keras-team/keras#14372)",
             symptom="Non-trainable layer state (BatchNormalization moving mean/variance) is mirrored "
             "with aggregation NONE, so every replica keeps its own diverging copy.",
             remedy="Floating-point non-trainable layer weights with aggregation 'none' are "
             "re-created with aggregation 'mean', so all copies stay identical.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="distribute_reduction_method",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/pull/16664 (tf.keras); keras-team/keras#15509",
             symptom="Reading `model.distribute_reduction_method` raises AttributeError, and setting "
             "it has no effect: step outputs are always averaged over replicas.",
             remedy="The attribute defaults to 'auto' and 'sum', 'mean', 'first' are applied to "
             "what train_step/test_step return.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="optimizer_strategy",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/issues/17187 (also keras-team/keras#20045)",
             symptom="An optimizer constructed outside strategy.scope() keeps the default strategy "
             "and fails with 'Mixing different tf.distribute.Strategy objects'.",
             remedy="compile() moves the optimizer and its variables onto the model's strategy.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="jit_compile_mirrored",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/issues/19005 (also keras-team/keras#18145)",
             symptom="compile(jit_compile=True) under a multi-replica strategy crashes in the first "
             "step: Keras compiles the whole step, every replica and the all-reduce, as one XLA cluster.",
             remedy="XLA compiles each replica's forward and backward pass; the all-reduce, optimizer "
             "update, metrics and layer state updates run outside it (an overriding train_step is refused).",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="replica_seed_state",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/issues/18667 (seed state mirrored like any variable)",
             symptom="A SeedGenerator's state is mirrored identically, so every replica draws the same "
             "random numbers: Dropout drops the same units on every replica's different examples.",
             remedy="Each replica's copy of a seed generator state gets the replica id added to its "
             "seed (replica 0 keeps the user's seed).",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="predict_on_batch_split",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (predict_on_batch; no upstream report found)",
             symptom="predict_on_batch under a multi-replica strategy runs the whole batch on every "
             "replica and concatenates, returning num_replicas_in_sync times too many rows.",
             remedy="predict_on_batch runs predict with the batch as one global batch, split across "
             "the replicas, returning exactly the input's rows in order.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="generator_batch_copies",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/trainers/data_adapters/generator_data_adapter.py (peek_and_restore; no upstream report found)",
             symptom="A Python generator that yields views of a buffer it refills loses and repeats "
             "examples: Keras keeps the first batches it peeks at (to learn shapes) by reference, and "
             "later batches overwrite them before they are used.",
             remedy="fit/evaluate/predict copy each NumPy array a generator yields, as it is yielded.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="empty_replica_batch_norm",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/layers/normalization/batch_normalization.py (_moments of an empty batch; tensorflow/tensorflow#58809)",
             symptom="When a partial global batch leaves a replica without examples, BatchNormalization "
             "computes the moments of an empty batch (NaN), and the moving statistics, gamma and beta "
@@ -236,12 +259,13 @@ FIXES = {
             remedy="On an empty batch each BatchNormalization layer of the model uses its moving "
             "statistics as the batch moments, so that replica leaves them unchanged (a synchronized=True "
             "layer needs no guard: its moments are the global batch's).",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="sum_gradients_before_apply",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (apply: _clip_gradients before _backend_update_step's all-reduce)",
             symptom="Under a multi-replica strategy the optimizer decides on each replica's share of the "
             "gradient before the gradients are summed: clipnorm, clipvalue and global_clipnorm clip "
@@ -251,12 +275,13 @@ FIXES = {
             remedy="keras_dist.distributed_optimizer (applied by DistributedModel.compile) makes the "
             "optimizer's apply sum the gradients over replicas (with the CommunicationOptions) first; "
             "Keras' apply then checks and clips the global gradient and does not sum again.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
         Fix(
             name="exhausted_input_iteration_count",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (one_step_on_iterator: the epoch's last call fails in get_next)",
             symptom="When an epoch ends because the input ran out (a dataset of unknown length, e.g. after filter), "
             "Keras calls the train function once more; it fails for lack of data, but TensorFlow has already run "
@@ -264,12 +289,14 @@ FIXES = {
             "one step too many per epoch (2 epochs of 8 batches: 18), shifting Adam's bias correction.",
             remedy="DistributedModel.fit counts the steps each epoch ran (steps_per_execution=1) and, at the epoch's "
             "end, before any other callback, sets the counter back to the steps that ran.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1"),
+            notes="keras-nightly 3.16.0.dev2026102704 does not reproduce the bug (the counter is right: 16 for 2 epochs of 8 batches): the fix is off there; if Keras 3.16 is released so, the range ends at 3.16.",
             remove_when=_OPEN,
         ),
         Fix(
             name="gradient_accumulation_under_strategy",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/issues/17429 (also keras-team/tf-keras#107)",
             symptom="With an optimizer's gradient_accumulation_steps under a multi-replica strategy, "
             "the first step fails ('Exception encountered when calling Cond.call()'): optimizer.apply "
@@ -279,36 +306,57 @@ FIXES = {
             "micro-batch all-reduces the sums and calls Keras' apply (updating every replica's copy) "
             "and otherwise only counts the step; a LossScaleOptimizer-wrapped optimizer sums each "
             "micro-batch, then applies once in cross-replica context.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1"),
+            notes="keras-nightly 3.16.0.dev2026102704 does not reproduce the bug (the first step no longer fails): the fix is off there; if Keras 3.16 is released so, the range ends at 3.16.",
             remove_when=_OPEN,
         ),
         Fix(
             name="ema_overwrite_under_strategy",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/optimizers/base_optimizer.py (_backend_apply_gradients: ops.cond around _overwrite_model_variables_with_average_value; no upstream report found)",
             symptom="An optimizer with use_ema=True and ema_overwrite_frequency under a multi-replica strategy fails "
             "in the first step ('merge_call called while defining a new graph', in Cond.call()): apply overwrites "
             "the weights with their moving averages inside ops.cond, and that overwrite calls merge_call.",
             remedy="The optimizer's apply (on gradients already summed over replicas) runs once in cross-replica "
             "context, where the conditional overwrite updates every replica's copy without merge_call.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1"),
+            notes="keras-nightly 3.16.0.dev2026102704 does not reproduce the bug (the first step no longer fails): the fix is off there; if Keras 3.16 is released so, the range ends at 3.16.",
             remove_when=_OPEN,
         ),
         Fix(
             name="multi_worker_output_reduction",
             package="keras",
-            verified=">=3.15,<3.16",
+            verified=">=3.10,<3.16",
             upstream="https://github.com/keras-team/keras/issues/20585 (follow-up: scalar step outputs reduced with axis=0)",
             symptom="Under MultiWorkerMirroredStrategy, fit/evaluate reduce every step output with "
             "strategy.reduce('MEAN', value, axis=0), which fails on scalar metrics ('Invalid reduction "
             "dimension 0 for input with 0 dimensions') and averages away axis 0 of other outputs.",
             remedy="Under a multi-worker strategy each replica's step outputs get a leading replica "
             "axis of size 1, so Keras' axis-0 mean is exactly the mean over replicas.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
+        ),
+        Fix(
+            name="summed_activity_regularization",
+            package="keras",
+            verified=">=3.10,<3.14",
+            upstream="https://github.com/keras-team/keras/issues/22018 (fixed in Keras 3.14 by keras-team/keras#22021)",
+            symptom="Keras before 3.14 adds each activity regularizer's value as it is, a sum over the batch: one "
+            "device's loss holds the global batch's sum, while keras-dist counted every replica's part of the "
+            "loss by its share of the examples, so a model with an activity_regularizer trained to other weights "
+            "than one device (1.5e-2 on 2 replicas with Keras 3.13.2).",
+            remedy="On those Keras versions each replica's activity regularization losses (those Layer.__call__ "
+            "adds) count once, as sums, in its part of the global batch's loss; from Keras 3.14 they are a mean "
+            "over examples, counted by the example share like the rest of the loss.",
+            checked_on=("3.10.0", "3.13.2"),
+            notes="Keras 3.14 divides by the batch size: on 3.15.1 and keras-nightly 3.16.0.dev2026102704 the bug is absent (the without-the-fix test is skipped) and the with-the-fix test passes with the fix off.",
+            remove_when="Keras 3.14 divides by the batch size: remove when 3.14 is the minimum supported",
         ),
         Fix(
             name="empty_batch_convolution",
             package="tensorflow",
-            verified=">=2.21,<2.22",
+            verified=">=2.18,<2.22",
             upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/kernels/depthwise_conv_grad_op.cc (zero-size batches; also the oneDNN conv kernels, tensorflow/core/kernels/mkl/; no upstream report found)",
             symptom="A replica whose share of a (last, partial) batch is empty breaks CPU convolutions: with oneDNN on "
             "some CPUs a Conv on 0 examples returns the input's channel count and the next layer fails ('input depth "
@@ -317,54 +365,60 @@ FIXES = {
             remedy="Under a multi-replica strategy Keras' TensorFlow conv, depthwise, separable and transposed "
             "convolutions run an empty batch as one example of zeros and keep none of its rows: the right output "
             "shape and exactly zero gradients, what a replica without examples contributes.",
+            checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
+            notes="On this CI's CPUs, TensorFlow 2.18.1 to 2.23.0.dev fail the step instead ('Missing 1-th output from ... Conv2DBackpropFilter') of returning garbage gradients; the fix avoids both.",
             remove_when=_OPEN_TF,
         ),
         Fix(
             name="sigterm_default_action",
             package="tensorflow",
-            verified=">=2.21,<2.22",
+            verified=">=2.18,<2.22",
             upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/third_party/xla/xla/tsl/distributed_runtime/preemption/preemption_notifier.cc (SigtermNotifier)",
             symptom="Once a worker joins a multi-worker cluster, TensorFlow's preemption notifier catches "
             "SIGTERM and the process keeps training, so `kill`, Kubernetes and SLURM cannot stop it "
             "gracefully and the launcher must wait for its grace period and SIGKILL.",
             remedy="After joining, SIGTERM gets its default action back (terminate) unless the script "
             "installed its own Python handler.",
+            checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
             remove_when=_OPEN_TF,
         ),
         Fix(
             name="multi_worker_steps_per_execution",
             package="tensorflow",
-            verified=">=2.21,<2.22",
+            verified=">=2.18,<2.22",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (multi_step_on_iterator; no upstream report found)",
             symptom="With steps_per_execution > 1 under MultiWorkerMirroredStrategy, Keras runs the "
             "step inside tf.cond inside tf.while_loop and TensorFlow fails on the collective ops "
             "there: 'You must feed a value for placeholder tensor .../while/cond/Placeholder'.",
             remedy="Under a multi-worker strategy compile uses steps_per_execution=1 and warns "
             "(the numbers are the same; only per-step overhead grows).",
+            checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
             remove_when=_OPEN_TF,
         ),
         Fix(
             name="file_sharding_cache",
             package="tensorflow",
-            verified=">=2.21,<2.22",
+            verified=">=2.18,<2.22",
             upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/grappler/optimizers/data/auto_shard.cc (FILE rewrite keeps the cache resource; no upstream report found)",
             symptom="Under FILE auto-sharding, a pipeline with a cache() after its file readers (in memory, "
             "as TFDS adds to small datasets, or in a file) that was filled before being distributed gives "
             "every worker every example: the rewrite shards the file names but the filled cache is read.",
             remedy="keras-dist shards such pipelines by DATA (sharded after the cache) and warns once, "
             "naming the ways to keep FILE sharding.",
+            checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
             remove_when=_OPEN_TF,
         ),
         Fix(
             name="slurm_cpu_nodes",
             package="tensorflow",
-            verified=">=2.21,<2.22",
+            verified=">=2.18,<2.22",
             upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/python/distribute/cluster_resolver/slurm_cluster_resolver.py (get_num_gpus, cluster_spec)",
             symptom="SlurmClusterResolver on nodes without GPUs fails: it runs nvidia-smi "
             "(FileNotFoundError), and with gpus_per_node=0 divides GPUs among tasks with a range step "
             "of 0 (ValueError).",
             remedy="On nodes without GPUs keras-dist gives the resolver one placeholder GPU slot per "
             "task and tells it not to set CUDA_VISIBLE_DEVICES; the cluster spec is unchanged.",
+            checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
             remove_when=_OPEN_TF,
         ),
     ]

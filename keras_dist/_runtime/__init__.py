@@ -10,5 +10,7 @@ docstring saying what it reaches or replaces and why; so do `_model` and
 which `DistributedModel` sets itself).
 Must not: decide policy (which strategy, which fix); layers 1 and 2 decide, this
 package only carries it out. Imports: TensorFlow, Keras, `keras_dist._env`, `keras_dist._process`,
-`keras_dist.errors` and this package only; nothing from layers 1 or 2.
+`keras_dist.errors`, `keras_dist._compat` (`locations`: where the installed Keras or TensorFlow
+keeps a private name; `sums_activity_regularization`: which form of the loss the installed Keras
+computes) and this package only; nothing from layers 1 or 2.
 """

@@ -11,7 +11,7 @@ batch; what such a replica must contribute is an empty output and zero
 gradients.
 
 Here Keras' TensorFlow backend functions for convolutions
-(`keras.src.backend.tensorflow.nn.conv`, `depthwise_conv`, `separable_conv`,
+(`keras.src.backend.tensorflow.nn.conv` (`...tensorflow.ops.nn` from Keras 3.16), `depthwise_conv`, `separable_conv`,
 `conv_transpose`) are wrapped: traced under a multi-replica strategy, an input
 whose batch may be empty runs, when it is, the same op on one example of zeros
 and keeps none of its rows (`tf.cond`), so the output has the right shape and
@@ -22,7 +22,10 @@ static non-zero batch) the op is Keras' own.
 import functools
 
 import tensorflow as tf
-from keras.src.backend.tensorflow import nn as keras_tf_nn
+
+from keras_dist._compat import locations
+
+keras_tf_nn = locations.tensorflow_backend_nn_module()  # Moved in Keras 3.16 (keras_dist._compat.locations).
 
 _GUARDED_OPS = ("conv", "depthwise_conv", "separable_conv", "conv_transpose")
 _ORIGINALS = {}

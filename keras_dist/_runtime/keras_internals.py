@@ -10,7 +10,6 @@ import contextlib
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
@@ -18,6 +17,10 @@ from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
 from keras.src.trainers.trainer import model_supports_jit as model_supports_jit  # Re-exported.
 from keras.src.utils.rng_utils import get_random_seed
+
+from keras_dist._compat import locations
+
+TensorFlowTrainer = locations.tensorflow_trainer_class()  # Keras' TensorFlow trainer (renamed in Keras 3.16).
 
 __all__ = [
     "Functional",

@@ -23,7 +23,11 @@ What this module does, while a keras-dist step runs on a replica (its
   per-output loss trackers' states are noted before Keras updates them, so
   that the step can give them the global batch's value instead.
 `global_surrogate` then builds the per-replica loss whose sum over the
-replicas is the global batch's loss, in value and in gradient.
+replicas is the global batch's loss, in value and in gradient. On a Keras
+before 3.14 the activity regularizers' losses are recorded too: those Keras
+versions sum them over the batch, so each replica's counts once
+(`_compat.sums_activity_regularization`); from 3.14 Keras divides them by the
+batch size, a mean over examples like the rest of the loss.
 
 The functions of `keras.src.losses.loss` are replaced by dispatchers once, the
 first time a keras-dist step needs them; outside a keras-dist step they call
@@ -32,13 +36,17 @@ Keras' own, unchanged.
 
 import contextlib
 import dataclasses
+import inspect
+import sys
 import threading
 
 import tensorflow as tf
-from keras import ops
+from keras import ops, tree
+from keras.src.layers import layer as keras_layer
 from keras.src.losses import loss as keras_loss
 from keras.src.metrics import reduction_metrics
 
+from keras_dist import _compat
 from keras_dist._runtime import batch_metrics, step_state
 
 EXAMPLES = "examples"  # Weighted by the replica's share of the examples (a mean over examples).
@@ -50,7 +58,10 @@ _ORIGINAL = {
     "scale_loss_for_distribution": keras_loss.scale_loss_for_distribution,
     "unscale_loss_for_distribution": keras_loss.unscale_loss_for_distribution,
     "mean_update_state": reduction_metrics.Mean.update_state,
+    "add_loss": keras_layer.Layer.add_loss,
 }
+# The body of `Layer.__call__` (under its traceback filter): where Keras adds each activity regularizer's loss.
+_LAYER_CALL_CODE = inspect.unwrap(keras_layer.Layer.__call__).__code__
 _RECORDS = {}  # id(replica context) -> LossRecord, inside `recording`.
 _INSTALL_LOCK = threading.Lock()
 
@@ -113,6 +124,7 @@ def _install():
             keras_loss.scale_loss_for_distribution = _scale_loss_for_distribution
             keras_loss.unscale_loss_for_distribution = _unscale_loss_for_distribution
             reduction_metrics.Mean.update_state = _mean_update_state
+            keras_layer.Layer.add_loss = _recording_add_loss
 
 
 def one_device_scaling_installed():
@@ -160,6 +172,27 @@ def _mean_update_state(self, values, sample_weight=None):
     value = tf.where(step.num_examples > 0, tf.cast(values, self.dtype), tf.zeros([], self.dtype))
     share = tf.cast(step.example_share(), self.dtype)
     return original(self, value * share * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
+
+
+def _recording_add_loss(self, loss):
+    """`Layer.add_loss`; inside `recording`, a Keras before 3.14's activity regularization is recorded as a `SUM` term.
+
+    Keras before 3.14 adds `activity_regularizer(output)` as it is, a sum over
+    the batch's examples (keras-team/keras#22018; 3.14 divides it by the batch
+    size). One device's loss then holds the global batch's sum, so each
+    replica's part counts once (`SUM`), not by its share of the examples as the
+    rest of `total` does (compat fix `summed_activity_regularization`). Only the
+    losses `Layer.__call__` itself adds are such terms: a `call`'s own `add_loss`
+    is the user's, kept as it is.
+    """
+    record = _RECORDS.get(step_state.replica_key()) if step_state.current() is not None else None
+    if record is not None and sys._getframe(1).f_code is _LAYER_CALL_CODE and _compat.sums_activity_regularization():
+        for value in tree.flatten(loss):
+            if tf.is_tensor(value):
+                record.terms.append(LossTerm(value, SUM))
+                if record.tape is not None:
+                    record.tape.watch(value)
+    return _ORIGINAL["add_loss"](self, loss)
 
 
 def _note_tracker(record):

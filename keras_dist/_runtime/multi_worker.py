@@ -10,18 +10,26 @@ What happens on each worker: every worker calls `create_strategy` once, at
 program start; it returns when all workers listed in the cluster have joined.
 """
 
+import faulthandler
+import json
+import os
 import random
 import signal
 import socket
+import subprocess
+import sys
 import threading
 
 import tensorflow as tf
-from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 
+from keras_dist import _env
+from keras_dist._compat import locations
 from keras_dist._runtime import keras_internals
+
+coordination_config_pb2 = locations.coordination_config_module()  # Moved in TF 2.19 (keras_dist._compat.locations).
 
 
 class _CollectiveAllReduceExtended(_mwms.CollectiveAllReduceExtended):
@@ -99,9 +107,87 @@ def create_strategy(
             heartbeat_timeout_in_ms=int(heartbeat_timeout_seconds * 1000),
         )
         # Without the barrier, the register timeout is not enforced: task 0 waits forever.
-        context.context().coordination_service.cluster_register_with_barrier = True
+        if locations.coordination_register_barrier_supported():
+            context.context().coordination_service.cluster_register_with_barrier = True
+            watchdog = None
+        else:  # TensorFlow 2.18 has no such barrier: keras-dist enforces the timeout itself.
+            watchdog = _startup_watchdog(cluster_resolver, cluster_spec, startup_timeout_seconds)
+    else:
+        watchdog = None
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=collective_timeout_seconds or None)
-    return MultiWorkerMirroredStrategy(cluster_resolver, options, num_cpu_replicas=num_cpu_replicas)
+    try:
+        return MultiWorkerMirroredStrategy(cluster_resolver, options, num_cpu_replicas=num_cpu_replicas)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def _startup_watchdog(cluster_resolver, cluster_spec, startup_timeout_seconds):
+    """Ends this process with status 1 when the cluster has not formed within the startup timeout.
+
+    Where TensorFlow's coordination service has no register barrier (TF 2.18), the
+    leader waits for a missing worker forever, inside TensorFlow and holding the
+    GIL, so no Python thread can run. `faulthandler`'s C timer still does: after
+    `startup_timeout_seconds` (and 1 s) it writes the stacks into a pipe and
+    exits with status 1; a small process reading the pipe then writes the error,
+    naming the workers whose address refuses a connection, as an uncaught
+    `WorkerUnavailableError` would. When the strategy exists first, `cancel`
+    stops the timer and closes the pipe, and that process ends silently.
+
+    Returns:
+        An object whose `cancel()` stops the watchdog.
+    """
+    own = f"{cluster_resolver.task_type}:{cluster_resolver.task_id}"
+    peers = {
+        f"{job}:{index}": cluster_spec.task_address(job, index)
+        for job in cluster_spec.jobs
+        for index in cluster_spec.task_indices(job)
+        if f"{job}:{index}" != own
+    }
+    read_end, write_end = os.pipe()
+    reporter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _REPORT_SCRIPT,
+            json.dumps([own, peers, startup_timeout_seconds, _env.STARTUP_TIMEOUT_ENV]),
+        ],
+        stdin=read_end,
+        close_fds=True,
+    )
+    os.close(read_end)
+    stacks = os.fdopen(write_end, "w")
+    faulthandler.dump_traceback_later(startup_timeout_seconds + 1.0, repeat=False, file=stacks, exit=True)
+
+    class Watchdog:
+        def cancel(self):
+            faulthandler.cancel_dump_traceback_later()
+            stacks.close()
+            reporter.wait(timeout=30)
+
+    return Watchdog()
+
+
+# Run by `_startup_watchdog`'s reporter process (no TensorFlow): silent unless the pipe brings stacks.
+_REPORT_SCRIPT = """
+import json, socket, sys
+own, peers, timeout, variable = json.loads(sys.argv[1])
+if sys.stdin.buffer.read():
+    missing = []
+    for name, address in peers.items():
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+        except OSError:
+            missing.append(f"{name} ({address})")
+    who = ", ".join(missing) or "another worker (every address answers; one may still be starting)"
+    sys.stderr.write(
+        f"keras_dist.errors.WorkerUnavailableError: [{own}] {who} did not join the cluster within {timeout:g} s "
+        f"({variable}). Fix: start every worker listed in the cluster (`keras-dist launch` starts them all), check "
+        f"that their addresses are reachable from this machine, or raise {variable}. "
+        "See docs/troubleshooting.md#worker-unavailable.\\n"
+    )
+"""
 
 
 def unreachable_addresses(addresses, *, timeout_seconds=2.0):

@@ -56,7 +56,8 @@ def _first_replica_step_function(model, replica_step):
 
     if not model.run_eagerly:
         one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
-    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+    if hasattr(model, "_autoconvert_optionals"):  # Keras 3.10 has no such wrapper (nor optional inputs).
+        one_step_on_data = model._autoconvert_optionals(one_step_on_data)
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_iterator(iterator):

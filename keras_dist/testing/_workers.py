@@ -27,13 +27,16 @@ __all__ = ["LauncherResult", "WorkerResult", "WorkersResult", "clean_env", "run_
 _POLL_SECONDS = 0.05
 _SESSION_PREFIX = _env.PREFIX
 _DEFAULTS = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPP_MIN_LOG_LEVEL": "2"}
+# Kept: it says which compat fixes this stack runs (the CI of a stack outside their verified ranges sets it).
+_PASSED_THROUGH = (_env.FORCE_FIXES_ENV,)
 
 
 def clean_env(base: Mapping[str, str] | None = None, /, **overrides: str | None) -> dict[str, str]:
     """Returns an environment for a test's subprocess, free of this session's cluster settings.
 
     Drops `TF_CONFIG` and every `KERAS_DIST_*` variable (CPU replicas, timeouts,
-    threads, quiet, disabled fixes, restart count, ...), then sets
+    threads, quiet, disabled fixes, restart count, ...) except `KERAS_DIST_FORCE_FIXES`
+    (which compat fixes the installed Keras runs, so that workers run the same), then sets
     `TF_ENABLE_ONEDNN_OPTS=0` (oneDNN's kernels round differently at different
     batch sizes, so one device and N replicas would differ by about 1e-3) and
     `TF_CPP_MIN_LOG_LEVEL=2`, then applies `overrides`.
@@ -56,7 +59,11 @@ def clean_env(base: Mapping[str, str] | None = None, /, **overrides: str | None)
     [('HOME', '/h'), ('KERAS_DIST_QUIET', '1'), ('TF_CPP_MIN_LOG_LEVEL', '2'), ('TF_ENABLE_ONEDNN_OPTS', '0')]
     """
     base = os.environ if base is None else base
-    env = {k: v for k, v in base.items() if k != "TF_CONFIG" and not k.startswith(_SESSION_PREFIX)}
+    env = {
+        k: v
+        for k, v in base.items()
+        if k != "TF_CONFIG" and (not k.startswith(_SESSION_PREFIX) or k in _PASSED_THROUGH)
+    }
     env.update(_DEFAULTS)
     for name, value in overrides.items():
         if value is None:

@@ -47,12 +47,17 @@ class ReplicaIdEvaluation(ReplicaId):
 
 @pytest.mark.parametrize("method, expected", [("sum", 1.0), ("mean", 0.5), ("first", 0.0)])
 def test_evaluate_and_predict_with_each_method(mirrored_1x2_cpu, method, expected):
-    """With `distribute_reduction_method="sum"` or `"mean"`, `evaluate` raised `ValueError: destinations can not be empty`."""
+    """With `distribute_reduction_method="sum"` or `"mean"`, `evaluate` raised `ValueError: destinations can not be empty`.
+
+    `float`: Keras before 3.14 returns a custom `test_step`'s logs from `evaluate` as they are (a
+    tensor, on one device too); 3.14 converts them to Python numbers (`pythonify_logs`).
+    """
     model = ReplicaIdEvaluation(strategy=mirrored_1x2_cpu)
     model.compile(optimizer="sgd", loss="mse")
     model.distribute_reduction_method = method
     x = np.ones((16, 4), "float32")
-    assert model.evaluate(x, x[:, :1], batch_size=8, verbose=0, return_dict=True)["rid"] == pytest.approx(expected)
+    logs = model.evaluate(x, x[:, :1], batch_size=8, verbose=0, return_dict=True)
+    assert float(logs["rid"]) == pytest.approx(expected)
     assert model.predict(x, batch_size=8, verbose=0).shape == (16, 1)
 
 

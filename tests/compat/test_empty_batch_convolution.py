@@ -46,12 +46,19 @@ def _replica_gradients(model, strategy, trials):
     return results
 
 
-def test_without_fix_an_empty_replica_gets_garbage_gradients(mirrored_1x2_cpu):
+def test_without_fix_an_empty_replica_gets_garbage_gradients_or_fails(mirrored_1x2_cpu):
+    """TensorFlow's filter gradient over 0 examples is uninitialized memory, or (TF 2.18-2.23 on this CI's CPUs) missing.
+
+    Where it is missing the step fails: 'Missing 1-th output from ... Conv2DBackpropFilter'.
+    """
     with _compat.disabled("empty_batch_convolution"):
         model = _separable_model(mirrored_1x2_cpu)
-        results = _replica_gradients(model, mirrored_1x2_cpu, trials=10)
-    # TensorFlow's separable filter gradient over 0 examples is uninitialized memory (nonzero in most trials).
-    assert any(any(np.any(g != 0) for g in gradients) for _, gradients in results)
+        try:
+            results = _replica_gradients(model, mirrored_1x2_cpu, trials=10)
+        except tf.errors.InternalError as error:
+            assert "Conv2DBackpropFilter" in str(error)
+            return
+    assert any(any(np.any(g != 0) for g in gradients) for _, gradients in results)  # Nonzero in most trials.
 
 
 def test_with_fix_an_empty_replica_gets_an_empty_output_and_zero_gradients(mirrored_1x2_cpu):
