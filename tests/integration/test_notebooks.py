@@ -2,10 +2,12 @@
 
 import os
 
-import jupytext
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+# The [dev] extra's notebook tools; a stack built with only [test] (ci/stacks/) skips this file.
+jupytext = pytest.importorskip("jupytext")
+nbformat = pytest.importorskip("nbformat")
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 NOTEBOOKS = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "notebooks"
