@@ -41,3 +41,14 @@ def coordination_register_barrier_supported():
     """
     fields = coordination_config_module().CoordinationServiceConfig.DESCRIPTOR.fields_by_name
     return "cluster_register_with_barrier" in fields
+
+
+def autoconvert_optionals(model, function):
+    """Returns `function` wrapped by `model._autoconvert_optionals`, where the installed Keras has that wrapper.
+
+    Keras wraps its step function so that `None` (optional) inputs cross `tf.function`; Keras 3.10.0
+    has no such wrapper (nor optional inputs), so there the step function is used as it is. Asked of
+    the installed Keras, not the version: the releases between 3.10 and 3.13 were not measured.
+    """
+    wrap = getattr(model, "_autoconvert_optionals", None)
+    return function if wrap is None else wrap(function)

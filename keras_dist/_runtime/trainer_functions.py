@@ -9,6 +9,7 @@ replica returns the same values, are taken from the first local replica.
 import tensorflow as tf
 from keras import tree
 
+from keras_dist._compat import locations
 from keras_dist._runtime import keras_internals as ki
 
 
@@ -56,8 +57,7 @@ def _first_replica_step_function(model, replica_step):
 
     if not model.run_eagerly:
         one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
-    if hasattr(model, "_autoconvert_optionals"):  # Keras 3.10 has no such wrapper (nor optional inputs).
-        one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+    one_step_on_data = locations.autoconvert_optionals(model, one_step_on_data)  # None on Keras 3.10.
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_iterator(iterator):

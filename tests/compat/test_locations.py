@@ -106,6 +106,17 @@ def test_keras_3_16_moves_the_backend_nn_module(fake_version, recorded_imports, 
     assert recorded_imports == [module]
 
 
+def test_autoconvert_optionals_wraps_where_keras_has_the_wrapper_and_not_elsewhere():
+    def step(data):
+        return data
+
+    model = keras.Sequential([keras.layers.Dense(1)])
+    wrapped = locations.autoconvert_optionals(model, step)
+    # Keras with optional inputs (3.13.2, 3.15.1) wraps the step; Keras 3.10.0 has no wrapper.
+    assert (wrapped is step) == (not hasattr(model, "_autoconvert_optionals"))
+    assert locations.autoconvert_optionals(types.SimpleNamespace(), step) is step  # A Keras without it.
+
+
 # ---- versions: nightly builds (pre-releases) compare sanely.
 
 
