@@ -29,6 +29,9 @@ INTER_OP_THREADS_ENV = "KERAS_DIST_INTER_OP_THREADS"
 STARTUP_TIMEOUT_ENV = "KERAS_DIST_STARTUP_TIMEOUT"
 HEARTBEAT_TIMEOUT_ENV = "KERAS_DIST_HEARTBEAT_TIMEOUT"
 COLLECTIVE_TIMEOUT_ENV = "KERAS_DIST_COLLECTIVE_TIMEOUT"
+# Seconds (default 60, 0 = off) a worker may wait for another that does not reach the next collective
+# before every worker fails naming it (keras_dist.monitor._stall); `keras-dist launch --stall-timeout`.
+STALL_TIMEOUT_ENV = "KERAS_DIST_STALL_TIMEOUT"
 # `0` skips joining the cluster at `import keras_dist` (keras_dist.strategy._resolve).
 JOIN_AT_IMPORT_ENV = "KERAS_DIST_JOIN_AT_IMPORT"
 # First port of the cluster built from SLURM's variables (keras_dist.strategy._cluster); default 8888.
@@ -51,6 +54,7 @@ ALL = (
     STARTUP_TIMEOUT_ENV,
     HEARTBEAT_TIMEOUT_ENV,
     COLLECTIVE_TIMEOUT_ENV,
+    STALL_TIMEOUT_ENV,
     JOIN_AT_IMPORT_ENV,
     SLURM_PORT_BASE_ENV,
     WRITE_TIMEOUT_ENV,

@@ -28,3 +28,17 @@ class WorkerUnavailableError(RuntimeError):
     def __init__(self, message: str, missing: Iterable[str] = ()) -> None:
         super().__init__(message)
         self.missing = tuple(missing)
+
+
+class WorkerStalledError(WorkerUnavailableError):
+    """A live worker did not reach the next collective within the stall bound (the stall watchdog).
+
+    Raised on every worker with the same message: it names the stuck
+    worker(s), the train step each last finished, what each was doing (a
+    callback, saving, its own code, another collective, or frozen) and the
+    collective the others wait in. The bound is `max(KERAS_DIST_STALL_TIMEOUT,
+    20 x the median step time)`, 60 s by default; 0 turns the watchdog off.
+
+    Attributes:
+        missing: Tuple of the stuck workers' task names (`"worker:1"`).
+    """

@@ -30,7 +30,18 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _compat, collectives
-from keras_dist._model import construction, metrics, placement, saving, step, step_functions, user_step, workers, xla
+from keras_dist._model import (
+    construction,
+    metrics,
+    monitoring,
+    placement,
+    saving,
+    step,
+    step_functions,
+    user_step,
+    workers,
+    xla,
+)
 from keras_dist._model import fit as fitting
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import step_state
@@ -373,17 +384,20 @@ class DistributedModel(keras.Model):
         if self.train_function is None or force:
             xla.rebuild_forward_backward(self)
             self.train_function = step_functions.make(self, self.train_step, user_written=self._overrides("train_step"))
+        self.train_function = monitoring.tracked_function(self.train_function, "train")
         return self.train_function
 
     def make_test_function(self, force: bool = False) -> Any:
         self._distribute_state()
         if self.test_function is None or force:
             self.test_function = step_functions.make(self, self.test_step, user_written=self._overrides("test_step"))
+        self.test_function = monitoring.tracked_function(self.test_function, "test")
         return self.test_function
 
     def make_predict_function(self, force: bool = False) -> Any:
         self._distribute_state()
-        return super().make_predict_function(force=force)
+        self.predict_function = monitoring.tracked_function(super().make_predict_function(force=force), "predict")
+        return self.predict_function
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         placement.build(self, iterator=iterator, data_batch=data_batch)

@@ -11,7 +11,7 @@ import contextlib
 
 import keras
 
-from keras_dist._model import workers
+from keras_dist._model import monitoring, workers
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _resume as callbacks_resume
 from keras_dist.data import _distribute as data_distribute
@@ -32,6 +32,8 @@ def fit(model, keras_fit, args, kwargs):
     agree_on_stop = arguments["callbacks"][-1]
     with contextlib.ExitStack() as stack:
         stack.enter_context(workers.naming_lost_workers(model))
+        stack.enter_context(monitoring.tracking_call(model, "fit"))
+        stack.enter_context(monitoring.tracking_callbacks(arguments["callbacks"]))
         stack.enter_context(data_inputs.distributing_inputs(model, ["fit", "validation"], arguments))
         stack.enter_context(
             callbacks_resume.skipping_resumed_steps(
@@ -56,14 +58,24 @@ def fit(model, keras_fit, args, kwargs):
 def evaluate(model, keras_evaluate, args, kwargs):
     """`DistributedModel.evaluate`: Keras' `evaluate` (`keras_evaluate`, bound) on the distributed inputs."""
     arguments = data_inputs.bind_inputs(model, keras.Model.evaluate, args, kwargs, ("x",))
-    with workers.naming_lost_workers(model), data_inputs.distributing_inputs(model, ["evaluate"], arguments):
+    with (
+        workers.naming_lost_workers(model),
+        monitoring.tracking_call(model, "evaluate"),
+        monitoring.tracking_callbacks(arguments.get("callbacks")),
+        data_inputs.distributing_inputs(model, ["evaluate"], arguments),
+    ):
         return keras_evaluate(**workers.chief_only_verbosity(model, arguments))
 
 
 def predict(model, keras_predict, args, kwargs):
     """`DistributedModel.predict`: Keras' `predict` (`keras_predict`, bound) on the distributed inputs."""
     arguments = data_inputs.bind_inputs(model, keras.Model.predict, args, kwargs, ("x",))
-    with workers.naming_lost_workers(model), data_inputs.distributing_inputs(model, ["predict"], arguments):
+    with (
+        workers.naming_lost_workers(model),
+        monitoring.tracking_call(model, "predict"),
+        monitoring.tracking_callbacks(arguments.get("callbacks")),
+        data_inputs.distributing_inputs(model, ["predict"], arguments),
+    ):
         return keras_predict(**workers.chief_only_verbosity(model, arguments))
 
 

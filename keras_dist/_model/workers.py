@@ -13,6 +13,7 @@ import tensorflow as tf
 from keras_dist._runtime import variables
 from keras_dist.callbacks import _coordination as callbacks_coordination
 from keras_dist.collectives import _all_reduce as collectives_all_reduce
+from keras_dist.monitor import _stall
 from keras_dist.strategy import _cluster, _peer_errors, _plan, _resolve
 
 # What TensorFlow raises when a peer crashed, stopped answering or missed a collective.
@@ -57,6 +58,7 @@ def naming_lost_workers(model):
             raise
         raise RuntimeError(_peer_errors.out_of_step_message(info, e.message)) from e
     except PEER_ERRORS as e:
+        _stall.raise_if_stalled(e)  # The stall watchdog aborted the collectives: its verdict names who.
         during = "collective" if isinstance(e, tf.errors.DeadlineExceededError) else "training"
         raise _peer_errors.worker_unavailable_error(
             _cluster.cluster_from_environment(),

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from keras_dist._env import WRITE_TIMEOUT_ENV
 from keras_dist._runtime import variables
+from keras_dist.monitor._progress import PROGRESS
 from keras_dist.strategy import _plan
 
 DEFAULT_WRITE_TIMEOUT_SECONDS = 120.0
@@ -68,7 +69,8 @@ class WorkerAgreement:
                 return strategy.experimental_local_results(strategy.run(replica_fn, args=(value,)))[0]
 
             self._sum[timeout_seconds] = summed
-        return [float(v) for v in self._sum[timeout_seconds](tf.constant(values, tf.float32)).numpy()]
+        with PROGRESS.phase("agreement", "the workers' agreement all-reduce (stop flags, writes)", collective=True):
+            return [float(v) for v in self._sum[timeout_seconds](tf.constant(values, tf.float32)).numpy()]
 
     def chief_writes(self, write, filepath, atomic=True, extensions=(".keras", ".h5", ".hdf5", ".json")):
         """Runs `write(path)` on the chief only, atomically, and returns when every worker knows it is done.
@@ -99,6 +101,10 @@ class WorkerAgreement:
                 seconds (default 120) after the write: they did not call
                 `save` (e.g. a save guarded by `if keras_dist.is_chief():`).
         """
+        with PROGRESS.phase("saving", f"saving {os.fspath(filepath)!r}"):
+            return self._chief_writes(write, filepath, atomic, extensions)
+
+    def _chief_writes(self, write, filepath, atomic, extensions):
         if self.multi_worker and not _plan.is_chief(self.strategy):
             if self.any(False):
                 raise RuntimeError(

@@ -11,6 +11,7 @@ import socket
 
 from keras_dist._env import (
     COLLECTIVE_TIMEOUT_ENV,
+    STALL_TIMEOUT_ENV,
     CPU_REPLICAS_ENV,
     HEARTBEAT_TIMEOUT_ENV,
     STARTUP_TIMEOUT_ENV,
@@ -146,6 +147,7 @@ def build_worker_env(
     heartbeat_timeout=None,
     collective_timeout=None,
     threads_per_worker=None,
+    stall_timeout=None,
 ):
     """Returns the environment of worker `task_id`: a copy of `base_env` plus its settings.
 
@@ -164,6 +166,8 @@ def build_worker_env(
             Defaults to `None` (not set).
         collective_timeout: Float > 0, in seconds (`KERAS_DIST_COLLECTIVE_TIMEOUT`).
             Defaults to `None` (not set).
+        stall_timeout: Float >= 0, in seconds (`KERAS_DIST_STALL_TIMEOUT`; 0 turns
+            the stall watchdog off). Defaults to `None` (not set: 60 s).
         threads_per_worker: Integer >= 0, the size of TensorFlow's intra-op
             and inter-op thread pools in this worker (`KERAS_DIST_INTRA_OP_THREADS`
             and `KERAS_DIST_INTER_OP_THREADS`, applied by `import keras_dist`);
@@ -198,6 +202,9 @@ def build_worker_env(
         if seconds is not None:
             check_seconds(name, seconds)
             env[env_name] = repr(float(seconds))
+    if stall_timeout is not None:
+        check_seconds("stall_timeout", stall_timeout, allow_zero=True)
+        env[STALL_TIMEOUT_ENV] = repr(float(stall_timeout))
     if threads_per_worker is not None:
         check_threads("threads_per_worker", threads_per_worker)
         for name in (INTRA_OP_THREADS_ENV, INTER_OP_THREADS_ENV):

@@ -101,6 +101,12 @@ def launch_command_parser(subparsers):
     add("--heartbeat-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_HEARTBEAT_TIMEOUT")
     add("--collective-timeout", type=float, metavar="SECONDS", help="passed as KERAS_DIST_COLLECTIVE_TIMEOUT")
     add(
+        "--stall-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="passed as KERAS_DIST_STALL_TIMEOUT: the stall watchdog's bound (default 60; 0 = off)",
+    )
+    add(
         "--grace-period",
         type=float,
         default=DEFAULT_GRACE_PERIOD,
@@ -145,6 +151,7 @@ def launch_command(args):
         startup_timeout=args.startup_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         collective_timeout=args.collective_timeout,
+        stall_timeout=getattr(args, "stall_timeout", None),
     )
     command = [sys.executable, "-u", *(["-m"] if args.module else []), args.script, *args.script_args]
     requested_threads = getattr(args, "threads_per_worker", None)
@@ -194,6 +201,8 @@ def _validate_args(args):
     for name in ("startup_timeout", "heartbeat_timeout", "collective_timeout"):
         if getattr(args, name) is not None:
             check_seconds("--" + name.replace("_", "-"), getattr(args, name))
+    if getattr(args, "stall_timeout", None) is not None:
+        check_seconds("--stall-timeout", args.stall_timeout, allow_zero=True)
     check_seconds("--grace-period", args.grace_period, allow_zero=True)
     max_restarts = getattr(args, "max_restarts", 0)
     if not isinstance(max_restarts, int) or max_restarts < 0:
