@@ -48,7 +48,7 @@ def tracking_call(model, kind):
     if variables.is_multi_worker(model._distribute_strategy):
         info = _cluster.cluster_from_environment()
         _stall.ensure_started(info.task_name, {t: a for t, a in info.addresses().items() if t != info.task_name})
-    with PROGRESS.phase(kind, f"in {kind}", collective=False):
+    with PROGRESS.phase(kind, kind, collective=True):  # Keras' loop between steps all-reduces metric results.
         yield
 
 

@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterator
 # What each kind of phase waits in, for the messages ("the collective the others wait in").
 _WHAT = {
     "script": "the script, outside fit/evaluate/predict",
-    "fit": "fit, between steps",
-    "evaluate": "evaluate, between steps",
-    "predict": "predict, between steps",
+    "fit": "Keras' loop, between steps",
+    "evaluate": "Keras' loop, between steps",
+    "predict": "Keras' loop, between steps",
     "step": "fit: forward, backward, all-reduce, apply",
     "test_step": "evaluate: forward, metric all-reduce",
     "predict_step": "predict: forward",
@@ -43,7 +43,7 @@ _WHAT = {
     "saving": "saving",
     "agreement": "the workers' agreement all-reduce",
 }
-_SELF_DESCRIBED = ("script", "fit", "evaluate", "predict", "agreement")
+_SELF_DESCRIBED = ("script", "agreement")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +56,10 @@ class Phase:
             all-reduce, apply), `"test_step"`, `"predict_step"`, `"callback"`,
             `"saving"`, `"agreement"`.
         detail: String, e.g. `"train step 13"` or `"MyCallback.on_epoch_end"`.
-        collective: Boolean, the phase waits for the other workers in a
-            TensorFlow collective (a step function, the agreement).
+        collective: Boolean, the phase may wait for the other workers in a
+            TensorFlow collective: a step function, the agreement, and
+            `fit`/`evaluate`/`predict` between steps (Keras' loop all-reduces
+            metric results there).
         since: Float, `time.time()` when the phase began (seconds).
         since_monotonic: Float, `time.monotonic()` when the phase began.
     """
@@ -88,13 +90,18 @@ class Progress:
     def __init__(self, *, clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic):
         self._clock, self._monotonic = clock, monotonic
         self._stack: list[Phase] = [
-            Phase("script", "in the script, outside fit/evaluate/predict", False, clock(), monotonic())
+            Phase("script", "the script, outside fit/evaluate/predict", False, clock(), monotonic())
         ]
         self._durations: collections.deque[float] = collections.deque(maxlen=200)
         self._listeners: list[Callable[[Phase, float], None]] = []
         self._lock = threading.Lock()
         self.steps_finished = 0
         self.epoch = -1
+        self._changed = monotonic()
+
+    def seconds_in_current(self, now_monotonic: float | None = None) -> float:
+        """Returns the seconds since the innermost phase last changed (a phase began or ended)."""
+        return (self._monotonic() if now_monotonic is None else now_monotonic) - self._changed
 
     def current(self) -> Phase:
         """Returns the innermost phase now."""
@@ -110,6 +117,7 @@ class Progress:
         phase = Phase(kind, detail, collective, self._clock(), self._monotonic())
         with self._lock:
             self._stack.append(phase)
+            self._changed = phase.since_monotonic
         return phase
 
     def leave(self, phase: Phase) -> None:
@@ -118,6 +126,7 @@ class Progress:
         with self._lock:
             if phase in self._stack:
                 del self._stack[self._stack.index(phase) :]
+            self._changed = end
             listeners = list(self._listeners)
         for listener in listeners:
             listener(phase, end)

@@ -92,7 +92,7 @@ class Record:
         kind: String, the phase's kind (`keras_dist.monitor._progress.Phase.kind`).
         what: String, the phase described for a person.
         collective: Boolean, the phase waits for the others in a collective.
-        age: Float, seconds the worker had been in the phase when it published.
+        age: Float, seconds since the worker's phase last changed, when it published.
         outer: String, the outermost call (`"fit"`, `"evaluate"`, `"predict"`, `"script"`).
         steps: Integer, train steps the worker finished.
         epoch: Integer, the epoch of `fit` (-1 outside).
@@ -122,7 +122,7 @@ class Record:
             kind=phase.kind,
             what=phase.describe(),
             collective=phase.collective,
-            age=round(now_monotonic - phase.since_monotonic, 3),
+            age=round(progress.seconds_in_current(now_monotonic), 3),
             outer=outer,
             steps=progress.steps_finished,
             epoch=progress.epoch,
@@ -132,6 +132,10 @@ class Record:
     def position(self) -> tuple[str, str]:
         """The collective this worker waits in, comparable across workers."""
         return (self.outer, self.what)
+
+    def where(self) -> str:
+        """E.g. `"train step 13 (fit: forward, ...)"`, with `" inside evaluate"` when the call is not named."""
+        return self.what if self.outer in self.what or self.outer == "script" else f"{self.what} inside {self.outer}"
 
     def last_finished(self) -> str:
         """E.g. `"last finished train step 12 (epoch 1)"`."""
@@ -176,8 +180,8 @@ def describe_stall(
     >>> me = Record("worker:0", 3, "step", "train step 13 (fit: ...)", True, 40.0, "fit", 12, 1, 0.1)
     >>> peer = Record("worker:1", 9, "callback", "Slow.on_train_batch_end (a callback)", False, 41.0, "fit", 12, 1, 0.1)
     >>> stuck, facts = describe_stall(me, {"worker:1": peer}, {"worker:1": 0.5}, bound=60, floor=60, frozen_after=15)
-    >>> stuck, facts[:74]
-    (['worker:1'], 'worker:1 has been in Slow.on_train_batch_end (a callback) for 41 s and last')
+    >>> stuck, facts.split(" and ")[0]
+    (['worker:1'], 'worker:1 has been in Slow.on_train_batch_end (a callback) for 41 s')
     """
     stuck, parts = [], []
     others_waiting = [me.task]
@@ -192,7 +196,7 @@ def describe_stall(
             stuck.append(task)
             parts.append(
                 f"{task} is frozen: its process has not answered for {silent:.0f} s (stopped, e.g. SIGSTOP, "
-                f"or swapping); it {record.last_finished()} and was in {record.what}"
+                f"or swapping); when last heard from, it {record.last_finished()} and was in {record.what}"
             )
         elif not record.collective:
             stuck.append(task)
@@ -200,7 +204,7 @@ def describe_stall(
         elif record.position() != me.position():
             stuck.append(task)
             parts.append(
-                f"{task} waits in another collective, {record.what} (inside {record.outer}), for {record.age:.0f} s "
+                f"{task} waits in another collective, {record.where()}, for {record.age:.0f} s "
                 f"and {record.last_finished()}"
             )
         else:
@@ -214,7 +218,7 @@ def describe_stall(
             stuck, parts = (
                 [me.task],
                 [
-                    f"{me.task} waits in {me.what} (inside {me.outer}), which the others did not call "
+                    f"{me.task} waits in {me.where()}, which the others did not call "
                     f"({', '.join(sorted(records))} wait in another collective); it {me.last_finished()}"
                 ],
             )
@@ -226,7 +230,7 @@ def describe_stall(
     waiting = ", ".join(others_waiting)
     facts = (
         f"{'; '.join(parts)}. {waiting} {'waits' if len(others_waiting) == 1 else 'wait'} for it in "
-        f"{me.what} (inside {me.outer}) since {me.age:.0f} s; {me.last_finished()}. Bound: {bound_text}"
+        f"{me.where()} since {me.age:.0f} s; {me.last_finished()}. Bound: {bound_text}"
     )
     return sorted(stuck), facts
 

@@ -40,7 +40,9 @@ def main():
     x = rng.rand(256, 8).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     inputs = keras.Input((8,))
-    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(16, activation="relu")(inputs)))
+    model = keras_dist.DistributedModel(
+        inputs, keras.layers.Dense(1)(keras.layers.Dense(16, activation="relu")(inputs))
+    )
     model.compile(optimizer="adam", loss="mse")
     epochs = 2 if SCENARIO in ("slow", "evaluate") else 50
     model.fit(x, y, batch_size=32, epochs=epochs, verbose=0, callbacks=[Sleepy()])
