@@ -92,6 +92,8 @@ STACKS_SUBSET = (
     # TF 2.18 has no register barrier: keras-dist's startup watchdog names the missing worker there.
     "tests/integration/test_multi_worker.py::test_worker_never_started_fails_the_others_naming_it",
     "tests/integration/test_corpus_multi_worker.py::test_program_on_two_workers_matches_one_device",
+    "tests/integration/test_stall_watchdog.py::test_a_sleeping_callback_on_one_worker_fails_both_naming_it",
+    "tests/integration/test_stall_watchdog.py::test_a_frozen_worker_is_named_by_the_others",
 )
 
 

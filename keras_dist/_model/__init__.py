@@ -397,8 +397,7 @@ class DistributedModel(keras.Model):
     def make_predict_function(self, force: bool = False) -> Any:
         self._distribute_state()
         super().make_predict_function(force=force)  # Sets self.predict_function (and returns it, or None).
-        self.predict_function = monitoring.tracked_function(self.predict_function, "predict")
-        return self.predict_function
+        return monitoring.track_predict_function(self)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         placement.build(self, iterator=iterator, data_batch=data_batch)

@@ -85,6 +85,12 @@ def tracked_function(function, kind):
     return tracked
 
 
+def track_predict_function(model):
+    """Tracks `model.predict_function` (Keras' factory sets it and may return `None`); returns it."""
+    model.predict_function = tracked_function(model.predict_function, "predict")
+    return model.predict_function
+
+
 def _tracked_hook(callback, name, hook):
     detail = f"{type(callback).__name__}.{name}"
 

@@ -11,9 +11,9 @@ import socket
 
 from keras_dist._env import (
     COLLECTIVE_TIMEOUT_ENV,
-    STALL_TIMEOUT_ENV,
     CPU_REPLICAS_ENV,
     HEARTBEAT_TIMEOUT_ENV,
+    STALL_TIMEOUT_ENV,
     STARTUP_TIMEOUT_ENV,
 )
 from keras_dist.cli._threads import INTER_OP_THREADS_ENV, INTRA_OP_THREADS_ENV, check_threads
