@@ -362,12 +362,14 @@ class Watchdog:
         coordination.abort_collectives(verdict["message"])
         if not self.progress.current().collective and self._signal_installed and self._main.ident is not None:
             signal.pthread_kill(self._main.ident, _SIGNAL)  # Wakes a main thread stuck in Python code (a sleep).
+        stack = self.progress.stack()
+        call = stack[1] if len(stack) > 1 else None  # The fit/evaluate/predict call the verdict came in.
         deadline = time.monotonic() + _GRACE_SECONDS
         while time.monotonic() < deadline:
-            if self.progress.current().kind == "script" or not self._main.is_alive():
+            if call is None or call not in self.progress.stack() or not self._main.is_alive():
                 return
             time.sleep(0.2)
-        # Still inside fit/evaluate/predict (e.g. in C code that ignores signals): do not hang.
+        # Still inside that call (e.g. in C code that ignores signals): do not hang.
         print(f"[{self.task}] keras_dist.errors.WorkerStalledError: {verdict['message']}", file=sys.stderr, flush=True)
         os._exit(1)
 
