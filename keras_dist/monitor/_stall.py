@@ -163,6 +163,12 @@ def describe_stall(
 ) -> tuple[list[str], str] | None:
     """Returns `(stuck workers, facts)` when `me`, waiting in a collective, waits for workers that did not reach it.
 
+    A worker is behind when it is frozen (no new record for `frozen_after`
+    seconds), outside any collective (a callback, saving, its own code), or in
+    another collective than most workers (on a tie, the side outside `fit`
+    is behind, e.g. an `evaluate` only the chief calls; when that does not
+    decide, every worker is named).
+
     Args:
         me: This worker's `Record` (in a collective phase).
         records: Task name -> the other workers' last `Record` (`None`: never read).
@@ -183,56 +189,68 @@ def describe_stall(
     >>> stuck, facts.split(" and ")[0]
     (['worker:1'], 'worker:1 has been in Slow.on_train_batch_end (a callback) for 41 s')
     """
-    stuck, parts = [], []
-    others_waiting = [me.task]
+    stuck, parts, waiting = [], [], {me.task: me}
     for task, record in sorted(records.items()):
         silent = silent_seconds.get(task, 0.0)
-        if record is None:
-            if silent >= frozen_after:
-                stuck.append(task)
-                parts.append(f"{task} has published no progress for {silent:.0f} s (frozen, or not started)")
-            continue
         if silent >= frozen_after:
             stuck.append(task)
             parts.append(
-                f"{task} is frozen: its process has not answered for {silent:.0f} s (stopped, e.g. SIGSTOP, "
+                f"{task} has published no progress for {silent:.0f} s (frozen, or not started)"
+                if record is None
+                else f"{task} is frozen: its process has not answered for {silent:.0f} s (stopped, e.g. SIGSTOP, "
                 f"or swapping); when last heard from, it {record.last_finished()} and was in {record.what}"
             )
+        elif record is None:
+            continue
         elif not record.collective:
             stuck.append(task)
             parts.append(f"{task} has been in {record.what} for {record.age:.0f} s and {record.last_finished()}")
-        elif record.position() != me.position():
-            stuck.append(task)
-            parts.append(
-                f"{task} waits in another collective, {record.where()}, for {record.age:.0f} s "
-                f"and {record.last_finished()}"
-            )
         else:
-            others_waiting.append(task)
+            waiting[task] = record
+    groups: dict[tuple[str, str], list[str]] = {}
+    for task, record in waiting.items():
+        groups.setdefault(record.position(), []).append(task)
+    majority = _majority(groups)
+    if len(groups) > 1:
+        for position, tasks in sorted(groups.items()):
+            if position == majority:
+                continue
+            for task in tasks:
+                record = waiting[task]
+                stuck.append(task)
+                parts.append(
+                    f"{task} waits in {record.where()}, which "
+                    + ("the others did not reach" if majority else "is not where the others wait")
+                    + f", for {record.age:.0f} s and {record.last_finished()}"
+                )
     if not stuck:
         return None
-    if len(stuck) == len(records) and all(r is not None and r.collective for r in records.values()):
-        # Every other worker waits in another collective: the side fewer workers are on is behind; on a tie,
-        # the side outside fit's training loop (e.g. an `evaluate` the chief alone calls).
-        if me.outer != "fit" and any(records[t].outer == "fit" for t in stuck):  # type: ignore[union-attr]
-            stuck, parts = (
-                [me.task],
-                [
-                    f"{me.task} waits in {me.where()}, which the others did not call "
-                    f"({', '.join(sorted(records))} wait in another collective); it {me.last_finished()}"
-                ],
-            )
-            others_waiting = sorted(records)
+    others = sorted(groups.get(majority, [])) if majority else []
     bound_text = (
         f"{bound:.0f} s (the larger of {_env.STALL_TIMEOUT_ENV}={floor:g} s and {STEP_TIME_FACTOR:g} x the median "
         f"step time {me.median or 0.0:.3g} s)"
     )
-    waiting = ", ".join(others_waiting)
-    facts = (
-        f"{'; '.join(parts)}. {waiting} {'waits' if len(others_waiting) == 1 else 'wait'} for it in "
-        f"{me.where()} since {me.age:.0f} s; {me.last_finished()}. Bound: {bound_text}"
-    )
-    return sorted(stuck), facts
+    if others:
+        first = waiting[others[0]]
+        tail = (
+            f"{', '.join(others)} {'waits' if len(others) == 1 else 'wait'} for "
+            f"{'it' if len(stuck) == 1 else 'them'} in {first.where()} since {first.age:.0f} s; "
+            f"{first.last_finished()}"
+        )
+    else:
+        tail = "the workers wait in different collectives: they do not run the same steps and calls"
+    return sorted(stuck), f"{'; '.join(parts)}. {tail}. Bound: {bound_text}"
+
+
+def _majority(groups):
+    """The position most waiting workers are in; on a tie, the one inside `fit`; `None` if that does not decide."""
+    if not groups:
+        return None
+    most = max(len(tasks) for tasks in groups.values())
+    candidates = [position for position, tasks in groups.items() if len(tasks) == most]
+    if len(candidates) > 1:
+        candidates = [position for position in candidates if position[0] == "fit"]
+    return candidates[0] if len(candidates) == 1 else None
 
 
 class Watchdog:

@@ -128,3 +128,20 @@ def test_the_launcher_passes_the_stall_timeout_to_every_worker():
     env = build_worker_env({}, cluster_spec=SPEC_2, task_id=1, stall_timeout=0)
     assert env["KERAS_DIST_STALL_TIMEOUT"] == "0.0"
     assert "KERAS_DIST_STALL_TIMEOUT" not in build_worker_env({}, cluster_spec=SPEC_2, task_id=1)
+
+
+def test_the_minority_in_another_collective_is_named_whoever_looks():
+    alone = record("worker:0", kind="agreement", what="the workers' agreement all-reduce")
+    most = [record("worker:1"), record("worker:2")]
+    for me, others in [(alone, most), (most[0], [alone, most[1]]), (most[1], [alone, most[0]])]:
+        stuck, facts = describe(me, {r.task: r for r in others})
+        assert stuck == ["worker:0"], facts
+        assert "worker:1, worker:2 wait for it in train step 13" in facts
+
+
+def test_two_workers_in_different_collectives_of_fit_are_both_named():
+    a = record("worker:0", kind="agreement", what="the workers' agreement all-reduce")
+    b = record("worker:1")
+    stuck, facts = describe(a, {"worker:1": b})
+    assert stuck == ["worker:0", "worker:1"]
+    assert "the workers wait in different collectives" in facts
