@@ -112,7 +112,8 @@ def tracking_callbacks(callbacks):
     checks see the callbacks unchanged) and removed on exit.
     """
     patched = []
-    for callback in callbacks or ():
+    # Keras' `fit` hands its `CallbackList` to the validation's `evaluate`: those callbacks are patched already.
+    for callback in getattr(callbacks, "callbacks", callbacks) or ():
         for name in _HOOKS:
             if getattr(type(callback), name, None) is getattr(keras.callbacks.Callback, name) or name in vars(callback):
                 continue

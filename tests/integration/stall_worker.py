@@ -18,8 +18,7 @@ import numpy as np
 
 import keras_dist
 
-SCENARIO = sys.argv[1]
-TASK = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+SCENARIO, TASK = "", 1  # Set by main() from the command line.
 
 
 class Sleepy(keras.callbacks.Callback):
@@ -36,6 +35,9 @@ class Sleepy(keras.callbacks.Callback):
 
 
 def main():
+    global SCENARIO, TASK
+    SCENARIO = sys.argv[1]
+    TASK = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     rng = np.random.RandomState(0)
     x = rng.rand(256, 8).astype("float32")
     y = x.sum(axis=1, keepdims=True)

@@ -145,3 +145,18 @@ def test_two_workers_in_different_collectives_of_fit_are_both_named():
     stuck, facts = describe(a, {"worker:1": b})
     assert stuck == ["worker:0", "worker:1"]
     assert "the workers wait in different collectives" in facts
+
+
+def test_fit_with_validation_data_records_the_validation_inside_fit(mirrored_1x2_cpu):
+    inputs = keras.Input((3,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    model.compile(optimizer="sgd", loss="mse")
+    seen = []
+
+    class OnTestBatch(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            seen.append([p.kind for p in _progress.PROGRESS.stack()])
+
+    x = np.ones((8, 3), "float32")
+    model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, validation_data=(x, x[:, :1]), callbacks=[OnTestBatch()])
+    assert seen == [["script", "fit", "evaluate", "callback"]] * 2
