@@ -318,7 +318,8 @@ class Watchdog:
         me = Record.of(self.task, self._beat, self.progress, now)
         bound = bound_seconds(self.floor, self.progress.median_step_seconds())
         if me.age < bound / 4 or me.kind == "script" and not me.collective:
-            self._seen.clear()
+            self._seen.clear()  # A new phase: what was read about the others is stale.
+            self._records.clear()
             return
         self._read_peers(now)
         silent = {task: now - self._seen[task][1] for task in self.peers if task in self._seen}
