@@ -46,6 +46,15 @@ class WorkerAgreement:
             return [bool(flag) for flag in flags]
         return [value > 0 for value in self._summed([1.0 if flag else 0.0 for flag in flags], timeout_seconds)]
 
+    def summed(self, values):
+        """Returns each of `values` (list of floats) summed over the workers (one all-reduce; float32).
+
+        With one worker, `values` as floats. Sums of integers below 2**24 are exact.
+        """
+        if not self.multi_worker:
+            return [float(v) for v in values]
+        return self._summed(list(values))
+
     def barrier(self):
         """Returns once every worker has called it."""
         if self.multi_worker:
