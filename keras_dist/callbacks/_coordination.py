@@ -49,11 +49,14 @@ class WorkerAgreement:
     def summed(self, values):
         """Returns each of `values` (list of floats) summed over the workers (one all-reduce; float32).
 
-        With one worker, `values` as floats. Sums of integers below 2**24 are exact.
+        With one worker, `values` as floats. Integers summing to less than
+        2**24 over all replicas come back exact.
         """
         if not self.multi_worker:
             return [float(v) for v in values]
-        return self._summed(list(values))
+        # Every replica of this worker contributes the value: the all-reduce sums each worker's once per replica.
+        local_replicas = len(self.strategy.extended.worker_devices)
+        return [v / local_replicas for v in self._summed(list(values))]
 
     def barrier(self):
         """Returns once every worker has called it."""

@@ -6,6 +6,8 @@ the GAN with two optimizers in attributes); the failing ones have a real cause t
 the last batch's value), and the fix it suggests must make the check pass.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -126,16 +128,23 @@ def test_keras_io_custom_train_step_on_an_uneven_split_passes(mirrored_1x3_cpu):
 
 @pytest.mark.parametrize(
     "optimizer",
-    [lambda: keras.optimizers.SGD(0.1, momentum=0.9), lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1)],
-    ids=["sgd_momentum", "adamw"],
+    [
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2),
+    ],
+    ids=["sgd_momentum", "adamw", "sgd_accumulating"],
 )
 def test_other_optimizers_with_sample_weights_pass(mirrored_1x2_cpu, optimizer):
     x, y = _data()
     weights = np.random.RandomState(1).rand(len(x)).astype("float32")
     model = _classifier(mirrored_1x2_cpu, optimizer=optimizer())
+    model.fit(x[:16], y[:16], batch_size=GLOBAL_BATCH, verbose=0)  # Mid-cycle when accumulating: 1 of 2.
+    before = _state(model)
     report = keras_dist.verify(model, x, y, sample_weight=weights, batch_size=GLOBAL_BATCH, steps=2)
     assert report.passed, str(report)
     assert len(report.logs) == 2
+    _assert_same_state(before, _state(model))
     slots = [p for p in report.weight_differences if "momentum" in p or "velocity" in p]
     assert slots, list(report.weight_differences)
 
@@ -277,8 +286,16 @@ def test_a_metric_that_keeps_the_last_batch_value_is_found(mirrored_1x2_cpu):
 
 @pytest.mark.parametrize("onednn", ["1", "0"])
 def test_tiny_differences_name_onednn_only_when_it_is_on(mirrored_1x3_cpu, monkeypatch, onednn):
-    """With no tolerance at all, float rounding between 16 examples and 6 + 5 + 5 is over it."""
+    """With no tolerance at all, float rounding between 16 examples and 6 + 5 + 5 is over it.
+
+    The session runs with oneDNN off (TensorFlow reads the setting once, at start): here `verify` is
+    told it is on or off, as TensorFlow would tell it.
+    """
+    from keras_dist._runtime import devices
+
+    assert devices.onednn_enabled() == (os.environ["TF_ENABLE_ONEDNN_OPTS"] == "1")  # Set before TensorFlow started.
     monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", onednn)
+    monkeypatch.setattr(devices, "onednn_enabled", lambda: onednn == "1")
     x, y = _data()
     model = _classifier(mirrored_1x3_cpu)
     report = keras_dist.verify(model, x, y, batch_size=GLOBAL_BATCH, atol=0.0, rtol=0.0)
