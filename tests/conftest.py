@@ -92,6 +92,8 @@ STACKS_SUBSET = (
     # TF 2.18 has no register barrier: keras-dist's startup watchdog names the missing worker there.
     "tests/integration/test_multi_worker.py::test_worker_never_started_fails_the_others_naming_it",
     "tests/integration/test_corpus_multi_worker.py::test_program_on_two_workers_matches_one_device",
+    # `verify` puts a model back through Keras' private state (backing variables, trackers, global seed).
+    "tests/unit/test_verify.py::test_leaves_the_model_as_it_was_and_a_later_fit_gives_the_same_numbers",
 )
 
 

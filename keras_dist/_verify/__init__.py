@@ -78,7 +78,8 @@ def verify(
             (consumed: `steps` batches are taken from it).
         y: Targets for array inputs, or `None`.
         batch_size: Integer, the global batch size for array inputs
-            (default 32, as `fit`) or for a dataset of single examples.
+            (default 32, as `fit`) or for a dataset of single examples;
+            ignored for a dataset of batches, as `fit` ignores it.
         sample_weight: Sample weights for array inputs, or `None`.
         steps: Integer >= 1, global batches to train on. Defaults to 3.
         atol: Float >= 0, absolute tolerance. Defaults to `1e-5`.

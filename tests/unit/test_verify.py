@@ -91,6 +91,16 @@ def test_functional_model_with_adam_passes(mirrored_1x2_cpu):
     assert "PASSED" in text and "atol=1e-05, rtol=1e-05" in text and "hidden/kernel" in text
 
 
+def test_a_generator_of_batches_and_a_one_device_model_pass(mirrored_1x2_cpu):
+    x, y = _data()
+    generator = ((x[i : i + 16], y[i : i + 16]) for i in range(0, 48, 16))
+    report = keras_dist.verify(_classifier(mirrored_1x2_cpu), generator, steps=2)
+    assert report.passed and report.global_batch_sizes == (16, 16), str(report)
+    assert next(generator)[0].shape == (16, 6)  # Two batches taken, the third left.
+    one_device = keras_dist.verify(_classifier("one_device"), x, y, batch_size=GLOBAL_BATCH)
+    assert one_device.passed and one_device.num_replicas == 1, str(one_device)
+
+
 def test_keras_io_custom_train_step_on_an_uneven_split_passes(mirrored_1x3_cpu):
     """keras.io's "customizing what happens in fit": its own loss tracker and MAE metric; 16 = 6 + 5 + 5."""
 
