@@ -27,7 +27,6 @@ under the strategy with the others, and compares; the verdict is agreed
 from __future__ import annotations
 
 import time
-import types
 from typing import Any
 
 import keras
@@ -148,11 +147,11 @@ def verify(
         passed=passed,
         atol=float(atol),
         rtol=float(rtol),
-        weight_differences=types.MappingProxyType(comparison.differences()),
-        shapes=types.MappingProxyType({p: tuple(int(d) for d in a.shape) for p, a in comparison.reference.items()}),
+        weight_differences=comparison.differences(),
+        shapes={p: tuple(int(d) for d in a.shape) for p, a in comparison.reference.items()},
         over_tolerance=tuple(comparison.over),
-        reference_logs=tuple(types.MappingProxyType(step) for step in comparison.reference_logs),
-        logs=tuple(types.MappingProxyType(step) for step in comparison.logs),
+        reference_logs=tuple(dict(step) for step in comparison.reference_logs),
+        logs=tuple(dict(step) for step in comparison.logs),
         logs_over_tolerance=tuple(comparison.logs_over),
         likely_cause=cause,
         explanation=explanation,

@@ -34,13 +34,13 @@ class VerifyReport:
         passed: Boolean verdict (the same on every worker).
         atol: Float, the absolute tolerance used.
         rtol: Float, the relative tolerance used.
-        weight_differences: Read-only mapping, variable path -> Python float
+        weight_differences: Dict, variable path -> Python float
             `max |difference|` over its elements after the last step: the
             model's weights (trainable and not), then the optimizers'
             variables (iterations, learning rate, slots), in that order.
-        shapes: Read-only mapping, variable path -> shape tuple.
+        shapes: Dict, variable path -> shape tuple.
         over_tolerance: Tuple of the paths of variables over tolerance, worst first.
-        reference_logs: Tuple with one read-only mapping per step, log name ->
+        reference_logs: Tuple with one dict per step, log name ->
             Python float, as `fit` logged it on one device (each step is its
             own epoch, so metrics are that step's own).
         logs: The same under the strategy.

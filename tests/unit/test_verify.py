@@ -383,3 +383,17 @@ def test_arguments_are_checked(mirrored_1x2_cpu):
         keras_dist.verify(model)
     with pytest.raises(ValueError, match="single examples"):
         keras_dist.verify(model, tf.data.Dataset.from_tensor_slices((x, y)))
+
+
+def test_the_report_copies_and_pickles(mirrored_1x2_cpu):
+    import copy
+    import dataclasses
+    import pickle
+
+    x, y = _data()
+    report = keras_dist.verify(_classifier(mirrored_1x2_cpu), x, y, batch_size=GLOBAL_BATCH, steps=1)
+    assert pickle.loads(pickle.dumps(report)) == report == copy.deepcopy(report)
+    assert dataclasses.asdict(report)["weight_differences"] == dict(report.weight_differences)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.passed = False
+    assert set(keras_dist.VerifyReport.CAUSES) >= {"unsynchronized_batch_normalization", "random_layers", "onednn"}
