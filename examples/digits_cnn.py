@@ -28,7 +28,8 @@ Where it runs:
 - **GPUs**: `strategy="auto"` mirrors the model over all of them.
 
 Flags: `--epochs` (20), `--global-batch-size` (64), `--cpu-replicas` (2),
-`--seed` (0), and `--smoke` (2 epochs, no accuracy check).
+`--seed` (0), `--smoke` (2 epochs, no accuracy check), and `--verify` (check
+the numbers against one device before training, see docs/verify.md).
 """
 
 """
@@ -63,6 +64,7 @@ parser.add_argument(
 )
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--smoke", action="store_true", help="2 epochs and no accuracy check (for CI)")
+parser.add_argument("--verify", action="store_true", help="compare 3 steps with one device before training")
 # In a notebook, sys.argv holds the kernel's own arguments: use the defaults.
 args = parser.parse_args([] if "ipykernel" in sys.modules else None)
 epochs = 2 if args.smoke else args.epochs
@@ -159,6 +161,24 @@ model.compile(
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     metrics=["accuracy"],
 )
+
+"""
+## Checking against one device (`--verify`)
+
+`keras_dist.verify` trains the model 3 steps on one device and 3 steps under
+the strategy, from the same weights and on the same global batches, compares
+every weight and every logged value, and puts the model back as it was. This
+model's Dropout draws other masks on each replica than on one device, so the
+first check names it; the second switches Dropout off to check everything else.
+"""
+
+if args.verify:
+    # keras_dist: compare with one device (every worker calls it; the chief prints).
+    for random_layers in ("keep", "off"):
+        report = keras_dist.verify(model, train_ds, random_layers=random_layers)
+        if keras_dist.is_chief():
+            print(report)
+
 model.fit(train_ds, validation_data=test_ds, epochs=epochs, verbose=2)
 
 """

@@ -61,6 +61,7 @@ if not _is_keras_dist_command():
 
     from keras_dist._model import DistributedModel
     from keras_dist._runtime.devices import simulate_cpu_replicas
+    from keras_dist._verify import VerifyReport, verify
     from keras_dist._wrap import distribute
     from keras_dist.collectives import CommunicationOptions, distributed_optimizer
     from keras_dist.strategy import (
@@ -91,6 +92,8 @@ __all__ = [
     "simulate_cpu_replicas",
     "task_id",
     "task_type",
+    "verify",
+    "VerifyReport",
 ]
 
 
@@ -100,6 +103,8 @@ _LAZY = {
     "distribute": "keras_dist._wrap",
     "distributed_optimizer": "keras_dist.collectives",
     "simulate_cpu_replicas": "keras_dist._runtime.devices",
+    "VerifyReport": "keras_dist._verify",
+    "verify": "keras_dist._verify",
 }
 
 

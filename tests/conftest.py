@@ -94,6 +94,8 @@ STACKS_SUBSET = (
     "tests/integration/test_corpus_multi_worker.py::test_program_on_two_workers_matches_one_device",
     "tests/integration/test_stall_watchdog.py::test_a_sleeping_callback_on_one_worker_fails_both_naming_it",
     "tests/integration/test_stall_watchdog.py::test_a_frozen_worker_is_named_by_the_others",
+    # `verify` puts a model back through Keras' private state (backing variables, trackers, global seed).
+    "tests/unit/test_verify.py::test_leaves_the_model_as_it_was_and_a_later_fit_gives_the_same_numbers",
 )
 
 

@@ -115,3 +115,18 @@ def num_logical_cpus():
 def gpu_names():
     """Returns the physical GPU device names, e.g. `["/physical_device:GPU:0"]`."""
     return [d.name for d in tf.config.list_physical_devices("GPU")]
+
+
+def onednn_enabled():
+    """Returns whether TensorFlow runs its oneDNN CPU kernels in this process.
+
+    `TF_ENABLE_ONEDNN_OPTS=1` turns them on, `0` off; unset, TensorFlow
+    decides from the CPU (on for some recent x86 CPUs). Private API:
+    `tensorflow.python.util._pywrap_util_port.IsMklEnabled`; where it is
+    missing, the environment variable alone decides (unset counts as off).
+    """
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "0").strip().lower() in ("1", "true")
+    return bool(_pywrap_util_port.IsMklEnabled())

@@ -47,6 +47,18 @@ class WorkerAgreement:
             return [bool(flag) for flag in flags]
         return [value > 0 for value in self._summed([1.0 if flag else 0.0 for flag in flags], timeout_seconds)]
 
+    def summed(self, values):
+        """Returns each of `values` (list of floats) summed over the workers (one all-reduce; float32).
+
+        With one worker, `values` as floats. Integers summing to less than
+        2**24 over all replicas come back exact.
+        """
+        if not self.multi_worker:
+            return [float(v) for v in values]
+        # Every replica of this worker contributes the value: the all-reduce sums each worker's once per replica.
+        local_replicas = len(self.strategy.extended.worker_devices)
+        return [v / local_replicas for v in self._summed(list(values))]
+
     def barrier(self):
         """Returns once every worker has called it."""
         if self.multi_worker:

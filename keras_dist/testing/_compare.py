@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
+
+if TYPE_CHECKING:
+    from keras_dist._verify import VerifyReport
 
 __all__ = ["SingleDeviceComparison", "assert_matches_single_device", "max_weight_difference"]
 
@@ -63,7 +66,7 @@ class SingleDeviceComparison:
 
 
 def assert_matches_single_device(
-    build_model: Callable[..., keras.Model],
+    build_model: Callable[..., keras.Model] | keras.Model,
     x: Any = None,
     y: Any = None,
     *,
@@ -75,7 +78,7 @@ def assert_matches_single_device(
     logs_rtol: float | None = None,
     seed: int | None = None,
     **fit_kwargs: Any,
-) -> SingleDeviceComparison:
+) -> SingleDeviceComparison | VerifyReport:
     """Asserts that training under `strategy` gives the numbers of plain Keras on one device.
 
     Builds a plain `keras.Model` (the reference, no strategy) and a
@@ -84,7 +87,16 @@ def assert_matches_single_device(
     same way, and compares every weight (by position, named by its path) and
     everything the training returned.
 
-    `build_model` is called either way:
+    `build_model` may also be a `keras_dist.DistributedModel` that exists
+    (compiled, trained or not): then this is `keras_dist.verify(model, x, y,
+    atol=atol, rtol=rtol, **fit_kwargs)` (a few steps of the model's own on
+    one device and under its own strategy, the model left as it was), and
+    its report is the `AssertionError`'s message when the verdict fails.
+    There `fit_kwargs` may hold `batch_size`, `sample_weight`, `steps` and
+    `random_layers` (see `verify`); `strategy`, `train`, `seed` and the logs
+    tolerances do not apply.
+
+    Otherwise `build_model` is called either way:
 
     - `build_model(Model, **model_kwargs)`: called as `build_model(keras.Model)`
       and `build_model(keras_dist.DistributedModel, strategy=strategy)`; it
@@ -94,7 +106,8 @@ def assert_matches_single_device(
       distributed one is `keras_dist.distribute(build_model(), strategy=strategy)`.
 
     Args:
-        build_model: Callable as above, returning a compiled `keras.Model`.
+        build_model: Callable as above, returning a compiled `keras.Model`;
+            or a `keras_dist.DistributedModel`.
         x: Inputs for the default training, `model.fit(x, y, **fit_kwargs)`:
             anything `fit` accepts (NumPy arrays, a `tf.data.Dataset`, ...).
         y: Targets for the default training, or `None`.
@@ -119,7 +132,8 @@ def assert_matches_single_device(
             `verbose` to `0` here, so both models see the same batches.
 
     Returns:
-        `SingleDeviceComparison`: both trained models and their results.
+        `SingleDeviceComparison`: both trained models and their results; for
+        a `DistributedModel`, `verify`'s `VerifyReport` (it passed).
 
     Raises:
         AssertionError: A weight or result differs beyond the tolerance, or
@@ -128,7 +142,8 @@ def assert_matches_single_device(
             element, both values and the tolerance.
         ValueError: The two models' weights differ in number or shape, `train`
             was given with `x`, `y` or `fit_kwargs`, or neither `train` nor `x`
-            was given, or a tolerance is negative.
+            was given, or a tolerance is negative; for a `DistributedModel`,
+            an argument that does not apply was given (or what `verify` raises).
 
     Example:
     >>> import keras, numpy as np, tensorflow as tf
@@ -148,6 +163,9 @@ def assert_matches_single_device(
     """
     from keras_dist._model import DistributedModel  # Imported here: keeps `keras_dist.testing` light to import.
     from keras_dist._wrap import distribute
+
+    if isinstance(build_model, keras.Model):
+        return _verify_model(build_model, x, y, strategy, train, atol, rtol, logs_atol, logs_rtol, seed, fit_kwargs)
 
     for name, value in (("atol", atol), ("rtol", rtol), ("logs_atol", logs_atol), ("logs_rtol", logs_rtol)):
         if value is not None and not value >= 0:
@@ -227,6 +245,34 @@ def assert_matches_single_device(
         results=results,
         max_weight_difference=max_weight_difference(reference, model),
     )
+
+
+_VERIFY_ARGUMENTS = ("batch_size", "sample_weight", "steps", "random_layers")
+
+
+def _verify_model(model, x, y, strategy, train, atol, rtol, logs_atol, logs_rtol, seed, fit_kwargs):
+    """`assert_matches_single_device` on a model that exists: `keras_dist.verify`, its report as the error."""
+    from keras_dist._verify import verify
+
+    given = {
+        "strategy": strategy != "auto",
+        "train": train is not None,
+        "logs_atol": logs_atol is not None,
+        "logs_rtol": logs_rtol is not None,
+        "seed": seed is not None,
+        **{name: True for name in fit_kwargs if name not in _VERIFY_ARGUMENTS},
+    }
+    misplaced = sorted(name for name, value in given.items() if value)
+    if misplaced:
+        raise ValueError(
+            "With a model that exists, `assert_matches_single_device` runs `keras_dist.verify`: the model's own "
+            f"strategy, its own train step on x/y. Received arguments that do not apply: {misplaced}. Fix: drop "
+            f"them (verify takes {list(_VERIFY_ARGUMENTS)}), or pass a builder function instead of the model."
+        )
+    report = verify(model, x, y, atol=atol, rtol=rtol, **fit_kwargs)
+    if not report.passed:
+        raise AssertionError(f"The DistributedModel does not match plain Keras on one device:\n{report}")
+    return report
 
 
 def _weight_name(variable):

@@ -20,6 +20,8 @@ PUBLIC = {
         "simulate_cpu_replicas",
         "task_id",
         "task_type",
+        "verify",
+        "VerifyReport",
     ],
     "keras_dist.callbacks": ["LearningRateWarmup", "RetracingMonitor", "ThroughputMonitor"],
     "keras_dist.collectives": [
