@@ -30,6 +30,7 @@ or add work to the training step (it only reads `Progress`).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import math
@@ -192,7 +193,7 @@ def describe_stall(
     stuck, parts, waiting = [], [], {me.task: me}
     for task, record in sorted(records.items()):
         silent = silent_seconds.get(task, 0.0)
-        if silent >= frozen_after:
+        if silent >= frozen_after and not (record is not None and record.kind == "exited"):
             stuck.append(task)
             parts.append(
                 f"{task} has published no progress for {silent:.0f} s (frozen, or not started)"
@@ -200,8 +201,8 @@ def describe_stall(
                 else f"{task} is frozen: its process has not answered for {silent:.0f} s (stopped, e.g. SIGSTOP, "
                 f"or swapping); when last heard from, it {record.last_finished()} and was in {record.what}"
             )
-        elif record is None:
-            continue
+        elif record is None or record.kind == "exited":
+            continue  # An exited worker is TensorFlow's to report (its connection closes).
         elif not record.collective:
             stuck.append(task)
             parts.append(f"{task} has been in {record.what} for {record.age:.0f} s and {record.last_finished()}")
@@ -266,7 +267,8 @@ class Watchdog:
     def __init__(self, task: str, peers: Mapping[str, str], floor_seconds: float, progress: Progress = PROGRESS):
         self.task, self.peers, self.floor, self.progress = task, dict(peers), floor_seconds, progress
         self.interval = min(5.0, max(0.5, floor_seconds / 10.0))
-        self.frozen_after = max(3.0 * self.interval, floor_seconds / 4.0)
+        # Under load a publisher thread can miss a few intervals: frozen means silent for half the bound.
+        self.frozen_after = max(5.0 * self.interval, floor_seconds / 2.0)
         self.verdict: dict | None = None
         self._beat = 0
         self._seen: dict[str, tuple[int, float]] = {}
@@ -277,8 +279,9 @@ class Watchdog:
         self._signal_installed = False
 
     def start(self) -> None:
-        """Starts the publishing and watching threads (daemons)."""
+        """Starts the publishing and watching threads (daemons), and publishes `exited` when the process ends."""
         self._install_signal_handler()
+        atexit.register(self._publish_exit)
         threading.Thread(target=self._publish_loop, name="keras-dist-stall-publish", daemon=True).start()
         threading.Thread(target=self._watch_loop, name="keras-dist-stall-watch", daemon=True).start()
 
@@ -296,6 +299,17 @@ class Watchdog:
             except Exception:  # noqa: BLE001 (the cluster is going down: TensorFlow's own error says why)
                 return
             self._stop.wait(self.interval)
+
+    def _publish_exit(self) -> None:
+        """Tells the others this process ends (a worker that finished is not frozen; TensorFlow reports it)."""
+        self._stop.set()
+        record = dataclasses.replace(
+            Record.of(self.task, self._beat + 1, self.progress, time.monotonic()), kind="exited"
+        )
+        try:
+            coordination.put(_PREFIX + "progress/" + self.task, json.dumps(dataclasses.asdict(record)))
+        except Exception:  # noqa: BLE001 (the cluster may be gone already)
+            pass
 
     def _watch_loop(self) -> None:
         while not self._stop.is_set():

@@ -3,7 +3,7 @@
 Usage: stall_worker.py SCENARIO [TASK]
   sleep     worker TASK sleeps 600 s in a callback's on_train_batch_end at batch 5 of epoch 0
   sigstop   worker TASK stops itself (SIGSTOP) at batch 5 of epoch 0
-  slow      worker TASK sleeps 0.6 s in every on_train_batch_end (slow but progressing)
+  slow      worker TASK sleeps 1.5 s in every on_train_batch_end (slow but progressing)
   evaluate  after fit, only the chief calls model.evaluate (the others sleep 600 s)
 Prints `FINISHED` when fit ends normally.
 """
@@ -31,7 +31,7 @@ class Sleepy(keras.callbacks.Callback):
         elif SCENARIO == "sigstop" and batch == 5:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif SCENARIO == "slow":
-            time.sleep(0.6)
+            time.sleep(1.5)
 
 
 def main():

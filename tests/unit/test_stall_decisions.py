@@ -160,3 +160,8 @@ def test_fit_with_validation_data_records_the_validation_inside_fit(mirrored_1x2
     x = np.ones((8, 3), "float32")
     model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, validation_data=(x, x[:, :1]), callbacks=[OnTestBatch()])
     assert seen == [["script", "fit", "evaluate", "callback"]] * 2
+
+
+def test_a_worker_that_exited_is_left_to_tensorflow():
+    exited = record("worker:1", kind="exited", what="fit (Keras' loop, between steps)")
+    assert describe(record("worker:0"), {"worker:1": exited}, {"worker:1": 30.0}) is None
