@@ -306,10 +306,16 @@ class Watchdog:
         record = dataclasses.replace(
             Record.of(self.task, self._beat + 1, self.progress, time.monotonic()), kind="exited"
         )
-        try:
-            coordination.put(_PREFIX + "progress/" + self.task, json.dumps(dataclasses.asdict(record)))
-        except Exception:  # noqa: BLE001 (the cluster may be gone already)
-            pass
+
+        def publish() -> None:
+            try:
+                coordination.put(_PREFIX + "progress/" + self.task, json.dumps(dataclasses.asdict(record)))
+            except Exception:  # noqa: BLE001 (the cluster may be gone already)
+                pass
+
+        thread = threading.Thread(target=publish, daemon=True)
+        thread.start()
+        thread.join(timeout=2.0)  # A leader that is gone or frozen must not hold up this process's exit.
 
     def _watch_loop(self) -> None:
         while not self._stop.is_set():
