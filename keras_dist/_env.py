@@ -46,6 +46,9 @@ DISABLE_FIXES_ENV = "KERAS_DIST_DISABLE_FIXES"
 FORCE_FIXES_ENV = "KERAS_DIST_FORCE_FIXES"
 # Non-empty: the chief does not print the distribution plan (keras_dist.strategy._plan, keras_dist.data).
 QUIET_ENV = "KERAS_DIST_QUIET"
+# A directory: every `DistributedModel.fit` gets a `keras_dist.callbacks.Timeline(directory)` (each worker
+# writes timeline-<task_type>-<task_id>.json; the chief prints the straggler report), keras_dist.callbacks._timeline.
+TIMELINE_ENV = "KERAS_DIST_TIMELINE"
 
 ALL = (
     CPU_REPLICAS_ENV,
@@ -62,4 +65,5 @@ ALL = (
     DISABLE_FIXES_ENV,
     FORCE_FIXES_ENV,
     QUIET_ENV,
+    TIMELINE_ENV,
 )

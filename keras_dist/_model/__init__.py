@@ -381,9 +381,15 @@ class DistributedModel(keras.Model):
             collectives_optimizer.prepare_gradient_accumulation(
                 self.optimizer, self._distribute_strategy, self.trainable_weights
             )
-        if self.train_function is None or force:
+        if self.train_function is None or force or not monitoring.train_function_is_current(self):
             xla.rebuild_forward_backward(self)
-            self.train_function = step_functions.make(self, self.train_step, user_written=self._overrides("train_step"))
+            self.train_function = step_functions.make(
+                self,
+                self.train_step,
+                user_written=self._overrides("train_step"),
+                marks=monitoring.step_marks_of(self),
+            )
+            monitoring.train_function_built(self)
         self.train_function = monitoring.tracked_function(self.train_function, "train")
         return self.train_function
 

@@ -2,7 +2,8 @@
 
 Each binds its inputs (`data._inputs`: distributed datasets, the input plan),
 names a lost worker in the error (`workers.naming_lost_workers`) and prints on
-the chief only. `fit` also adapts the callbacks for several workers, resumes a
+the chief only. `fit` also adapts the callbacks for several workers, records a
+`Timeline` when one is among them (or `KERAS_DIST_TIMELINE` asks), resumes a
 `BackupAndRestore` backup mid-epoch (skipping the steps already done), and on
 SIGTERM exits with status 75 once every worker saved one backup.
 """
@@ -14,6 +15,7 @@ import keras
 from keras_dist._model import monitoring, workers
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _resume as callbacks_resume
+from keras_dist.callbacks import _timeline as callbacks_timeline
 from keras_dist.data import _distribute as data_distribute
 from keras_dist.data import _inputs as data_inputs
 
@@ -30,8 +32,11 @@ def fit(model, keras_fit, args, kwargs):
         arguments.get("callbacks"), model, model._agreement(), resume_point=resume_point
     )
     agree_on_stop = arguments["callbacks"][-1]
+    timeline = callbacks_timeline.timeline_in(arguments["callbacks"])
     with contextlib.ExitStack() as stack:
         stack.enter_context(workers.naming_lost_workers(model))
+        if timeline is not None:  # Outside `fit`'s own phase: the file and the report come after it ended.
+            stack.enter_context(monitoring.recording_timeline(model, timeline))
         stack.enter_context(monitoring.tracking_call(model, "fit"))
         stack.enter_context(monitoring.tracking_callbacks(arguments["callbacks"]))
         stack.enter_context(data_inputs.distributing_inputs(model, ["fit", "validation"], arguments))

@@ -6,7 +6,9 @@ callback (`tracking_callbacks`, patched on the callback instances for the
 duration of one call and then removed). The agreement all-reduce and the
 chief's writes record their own phases (keras_dist.callbacks._coordination).
 Under several workers the first call starts the stall watchdog
-(`keras_dist.monitor._stall`).
+(`keras_dist.monitor._stall`). With a `keras_dist.callbacks.Timeline` among the
+callbacks of `fit` (`recording_timeline`), the train step also takes timestamps
+at its phase boundaries (`keras_dist._runtime.step_marks`), read after each call.
 
 Cost on the training path: a few attribute writes per step and per callback hook.
 """
@@ -16,8 +18,9 @@ import functools
 import time
 
 import keras
+import tensorflow as tf
 
-from keras_dist._runtime import variables
+from keras_dist._runtime import step_marks, variables
 from keras_dist.monitor import _stall
 from keras_dist.monitor._progress import PROGRESS
 from keras_dist.strategy import _cluster
@@ -40,6 +43,10 @@ _HOOKS = (
 )
 _STEP_KINDS = {"train": "step", "test": "test_step", "predict": "predict_step"}
 _TRACKED = "_keras_dist_tracked"
+# In the model's `__dict__` (not attributes: Keras would track the variables and save them):
+_STEP_MARKS = "_keras_dist_step_marks"  # The buffer the train step writes its timestamps to now, or None.
+_STEP_MARKS_BUFFER = "_keras_dist_step_marks_buffer"  # Kept: every fit with a timeline reuses one trace.
+_BUILT_WITH = "_keras_dist_train_function_step_marks"  # What the train function was traced with.
 
 
 @contextlib.contextmanager
@@ -126,3 +133,49 @@ def tracking_callbacks(callbacks):
     finally:
         for callback, name in patched:
             vars(callback).pop(name, None)
+
+
+def step_marks_of(model):
+    """Returns the `StepMarksBuffer` the train step should write its timestamps to, or `None` (the timeline is off)."""
+    return model.__dict__.get(_STEP_MARKS)
+
+
+def train_function_is_current(model):
+    """Whether the train function was traced with the timestamps the timeline wants now (always, when it is off)."""
+    return model.__dict__.get(_BUILT_WITH) is step_marks_of(model)
+
+
+def train_function_built(model):
+    """Notes that the train function was just traced with `step_marks_of(model)`."""
+    model.__dict__[_BUILT_WITH] = step_marks_of(model)
+
+
+def _times_inside_the_step(model):
+    """Whether keras-dist's step can take timestamps inside itself here (else the timeline has the step call only)."""
+    strategy = model._distribute_strategy
+    return (
+        strategy.num_replicas_in_sync > 1
+        and not isinstance(strategy, tf.distribute.TPUStrategy)  # Timestamps do not compile for TPUs.
+        and (getattr(model, "steps_per_execution", 1) or 1) == 1  # One call, one step: its phases are the call's.
+    )
+
+
+@contextlib.contextmanager
+def recording_timeline(model, timeline):
+    """Records the block (one `fit`) with `timeline` (a `Timeline`), the train step's timestamps included.
+
+    The train step takes them while the block runs (`step_marks_of`); the
+    train function is traced anew when it was traced without them, and again
+    in the first `fit` without a timeline.
+    """
+    buffer = None
+    if _times_inside_the_step(model):
+        buffer = model.__dict__.get(_STEP_MARKS_BUFFER)
+        if buffer is None:
+            buffer = model.__dict__[_STEP_MARKS_BUFFER] = step_marks.StepMarksBuffer(model._distribute_strategy)
+    model.__dict__[_STEP_MARKS] = buffer
+    try:
+        with timeline.recording(model, buffer.read if buffer is not None else None):
+            yield
+    finally:
+        model.__dict__[_STEP_MARKS] = None

@@ -5,11 +5,12 @@ Otherwise `_runtime.steps.train_step` / `test_step` run, with the model's
 `communication`, the XLA pass when `compile(jit_compile=True)` asked for one,
 whether the optimizer weights each replica's gradients by its examples inside
 the gradient all-reduce (`ride_along`, decided here, from the optimizer, once
-per trace), and the metric state that may travel with the gradients.
+per trace), the metric state that may travel with the gradients, and the
+timeline's timestamps when one records this `fit`.
 """
 
 from keras_dist import _compat
-from keras_dist._model import metrics, xla
+from keras_dist._model import metrics, monitoring, xla
 from keras_dist._runtime import steps
 from keras_dist.collectives import _optimizer as collectives_optimizer
 
@@ -28,6 +29,7 @@ def train_step(model, data, *, overrides_metrics_result):
         forward_backward=xla.forward_backward(model),
         ride_along=collectives_optimizer.weighs_examples_in_all_reduce(getattr(model, "optimizer", None)),
         summed_metrics=metrics.SummedMetrics(model, overrides_metrics_result=overrides_metrics_result),
+        marks=monitoring.step_marks_of(model),
     )
 
 

@@ -18,16 +18,19 @@ from keras_dist._runtime import trainer_functions, variables
 REDUCTION_METHODS = ("auto", "mean", "sum", "first")
 
 
-def make(model, replica_step, *, user_written):
+def make(model, replica_step, *, user_written, marks=None):
     """The train or test function for `replica_step` (`model.train_step` or `model.test_step`).
 
     Args:
         model: The `DistributedModel`.
         replica_step: The bound step, run in replica context on one per-replica batch.
         user_written: Boolean, the step overrides `DistributedModel`'s.
+        marks: `None`, or the `StepMarksBuffer` a train step of the user's
+            takes the timeline's timestamps into (keras-dist's own step
+            finds it itself).
     """
     if user_written:
-        replica_step = user_step.exact_for_global_batch(model, replica_step)
+        replica_step = user_step.exact_for_global_batch(model, replica_step, marks=marks)
     return trainer_functions.make_step_function(
         model,
         lambda data: _reduce_in_replica_context(model, replica_step(data), user_written=user_written),

@@ -18,8 +18,11 @@ from keras_dist._runtime import user_steps
 CUSTOM_STEP_LOSSES = ("mean", "global")
 
 
-def exact_for_global_batch(model, step):
-    """`step` (a train or test step of the user's own) run as exact for the global batch (see `custom_step_losses`)."""
+def exact_for_global_batch(model, step, *, marks=None):
+    """`step` (a train or test step of the user's own) run as exact for the global batch (see `custom_step_losses`).
+
+    `marks`: `None`, or the timeline's `StepMarksBuffer` (a train step: it takes its timestamps there).
+    """
     if (
         model._distribute_strategy.num_replicas_in_sync == 1
         or model.custom_step_losses == "global"
@@ -28,7 +31,7 @@ def exact_for_global_batch(model, step):
         return step
 
     def run(data):
-        with user_steps.user_step(model, data, options=model.communication.to_tensorflow()):
+        with user_steps.user_step(model, data, options=model.communication.to_tensorflow(), marks=marks):
             return _with_global_metric_results(model, step(data))
 
     return run

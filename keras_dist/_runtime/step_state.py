@@ -44,6 +44,9 @@ class ReplicaStep:
         user_step: Boolean, the step is one the user wrote (`train_step` or
             `test_step` overridden): `compute_loss` and scalar `Mean` updates
             inside it are made exact for the global batch.
+        marks: `None` (the timeline is off), or this replica's
+            `step_marks.StepMarks`: the gradient all-reduce and `apply` take
+            their timestamps there.
     """
 
     weighting: str
@@ -52,6 +55,7 @@ class ReplicaStep:
     extras: list = dataclasses.field(default_factory=list)
     extras_sums: object = None
     user_step: bool = False
+    marks: object = None
 
     def example_share(self):
         """float32 scalar `num_examples / global_examples` (0 when the global batch is empty)."""

@@ -20,7 +20,7 @@ from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import loss_terms, step_state
 
 
-def train_step(model, data, *, options, forward_backward=None, ride_along=False, summed_metrics=None):
+def train_step(model, data, *, options, forward_backward=None, ride_along=False, summed_metrics=None, marks=None):
     """Keras' TensorFlow `train_step`, with every replica's loss counted as in the global batch's.
 
     Each replica computes its loss exactly as one device would on its part
@@ -65,7 +65,10 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
     """
     x, y, sample_weight = ki.unpack_x_y_sample_weight(data)
     num_examples = batch_size_of(x)
-    step = step_state.ReplicaStep(step_state.SUM, num_examples=num_examples)
+    recorder = marks.recorder() if marks is not None else None
+    step = step_state.ReplicaStep(step_state.SUM, num_examples=num_examples, marks=recorder)
+    if recorder is not None:
+        recorder.stamp("batch", data)
     loss_terms.one_device_scaling_installed()  # Also for the XLA pass, which records no terms.
     with step_state.running(step):
         if forward_backward is not None:  # Compiled: `call` cannot hold a collective there.
@@ -80,6 +83,8 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
             model._loss_tracker.update_state(loss, sample_weight=num_examples)
         else:
             y_pred, loss, gradients = _exact_forward_backward(model, x, y, sample_weight, step, ride_along, options)
+        if recorder is not None:
+            recorder.stamp("gradients", gradients)
         if gradients is None:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

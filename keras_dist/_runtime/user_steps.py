@@ -16,7 +16,7 @@ from keras_dist._runtime import loss_terms, step_state, steps
 
 
 @contextlib.contextmanager
-def user_step(model, data, *, options):
+def user_step(model, data, *, options, marks=None):
     """Runs a `train_step`/`test_step` the user wrote for one device (the block) as exact for the global batch.
 
     keras.io writes such a step with its replica's own mean loss
@@ -41,6 +41,9 @@ def user_step(model, data, *, options):
         data: The per-replica batch handed to the step (its first leaf's
             leading dimension counts the examples).
         options: `tf.distribute.experimental.CommunicationOptions`.
+        marks: `None`, or the timeline's `step_marks.StepMarksBuffer`: the
+            step takes its `batch` timestamp here, the optimizer's `apply`
+            the others (the first `apply` of the step's).
 
     Yields:
         The `step_state.ReplicaStep` registered for this replica.
@@ -53,7 +56,10 @@ def user_step(model, data, *, options):
         num_examples=num_examples,
         global_examples=steps.sum_over_replicas(count, options)[0],
         user_step=True,
+        marks=marks.recorder() if marks is not None else None,
     )
+    if step.marks is not None:
+        step.marks.stamp("batch", data)
     loss_terms.one_device_scaling_installed()
     with step_state.running(step):
         yield step

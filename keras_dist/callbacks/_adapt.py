@@ -13,6 +13,7 @@ from keras_dist import _compat
 from keras_dist._runtime import backup_and_restore as keras_backup
 from keras_dist._runtime import keras_internals as ki
 from keras_dist.callbacks import _resume as resume
+from keras_dist.callbacks import _timeline as timeline
 from keras_dist.strategy import _plan
 
 # Callbacks whose only effect is files or console output: run on the chief alone.
@@ -46,8 +47,9 @@ def adapt_callbacks(callbacks, model, agreement, resume_point=None):
 
     Returns:
         A new list: log-only callbacks dropped on non-chief workers,
-        `BackupAndRestore` made resumable mid-epoch and chief-writing, and
-        an `AgreeOnStop` last. With one worker and no `BackupAndRestore`,
+        `BackupAndRestore` made resumable mid-epoch and chief-writing, a
+        `Timeline` when `KERAS_DIST_TIMELINE` asks for one and there is
+        none, and an `AgreeOnStop` last. With one worker and no `BackupAndRestore`,
         the same callbacks (a copy) and `AgreeOnStop`, which then only
         reads this worker's flag.
     """
@@ -61,6 +63,8 @@ def adapt_callbacks(callbacks, model, agreement, resume_point=None):
     backups = resume.backups_in(adapted)
     for backup in backups:
         resume.make_resumable(backup, agreement, resume_point or resume.ResumePoint(0))
+    if timeline.timeline_in(adapted) is None and timeline.from_environment() is not None:
+        adapted.append(timeline.from_environment())
     stops_alone = agreement.multi_worker and any(_may_stop_alone(c) for c in adapted)
     adapted.append(AgreeOnStop(agreement, every_batch=bool(stops_alone or backups), backups=backups))
     if _compat.is_active("exhausted_input_iteration_count"):

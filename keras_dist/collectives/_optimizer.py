@@ -195,6 +195,9 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     # The step running on this replica says how its gradients count (`step_state`); none: summed as given
     # (a custom training loop that scales its loss for the global batch, as TensorFlow's guide does).
     step = step_state.current()
+    marks = step.marks if step is not None else None  # The timeline's timestamps (None: it is off).
+    if marks is not None:
+        marks.stamp("gradients", grads)  # Taken by keras-dist's own step already; a step of the user's: here.
     if step is not None and step.weighting == step_state.EXAMPLES:  # A user's step: its replica's mean loss.
         grads = [_by_share(g, step) for g in grads]
     sums = optimizer_patches.state(optimizer).sums
@@ -219,6 +222,8 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
                 else lambda strategy, kinds: _check_in_cross_replica_context(strategy, kinds, options, names),
                 check_input=None if names is None else _all_reduce.gradient_kinds(grads),
             )
+            if marks is not None:  # All-reduced every k-th step inside `apply`: no `all_reduced` timestamp.
+                marks.stamp("applied", variables)
             return
         request = step if step is not None and not accumulating else None
         in_all_reduce = request is not None and request.weighting == step_state.EXAMPLES_IN_ALL_REDUCE
@@ -231,6 +236,8 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
         )
         if request is not None:
             request.extras_sums = extras_sums
+        if marks is not None:
+            marks.stamp("all_reduced", grads)
         # Keras' apply reaches merge_call inside ops.cond when it accumulates or overwrites the weights
         # with their moving averages; TensorFlow refuses that in replica context.
         conditional_merge_call = accumulating or (
@@ -240,6 +247,8 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
             ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
         else:
             keras_apply(optimizer, grads, variables)
+        if marks is not None:
+            marks.stamp("applied", variables)
 
 
 def _by_share(gradient, step):

@@ -23,7 +23,7 @@ PUBLIC = {
         "verify",
         "VerifyReport",
     ],
-    "keras_dist.callbacks": ["LearningRateWarmup", "RetracingMonitor", "ThroughputMonitor"],
+    "keras_dist.callbacks": ["LearningRateWarmup", "RetracingMonitor", "ThroughputMonitor", "Timeline"],
     "keras_dist.collectives": [
         "COMPRESSIONS",
         "IMPLEMENTATIONS",
