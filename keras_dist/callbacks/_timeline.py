@@ -140,7 +140,8 @@ class Timeline(keras.callbacks.Callback):
         info = _plan.cluster_info_of(model.distribute_strategy)
         tasks = list(info.addresses()) or [info.task_name]
         fit_index = next(_FITS)
-        recorder = _timeline.TimelineRecorder(info.task_name, read_marks)
+        steps_per_call = getattr(model, "steps_per_execution", 1) or 1
+        recorder = _timeline.TimelineRecorder(info.task_name, read_marks, steps_per_call=steps_per_call)
         self.recorder, self._recording = recorder, True
         recorder.start()
         failed = True

@@ -62,7 +62,7 @@ _KIND_CATEGORIES = {
     "agreement": "collective",
 }
 MAIN_TID, EPOCHS_TID = 1, 2
-MAX_EVENTS = 2_000_000  # About 200 MB of JSON; beyond it events are counted, not kept.
+MAX_EVENTS = 1_000_000  # About 100 MB of JSON (and 150 MB in memory); beyond it events are counted, not kept.
 STRAGGLER_THRESHOLD = 0.2
 
 
@@ -119,8 +119,10 @@ class WorkerSummary:
 
     Attributes:
         task: String, e.g. `"worker:1"`.
-        steps: Integer, calls of the train function.
-        median_step_seconds: Float, the median wall time of one call (`None` without one).
+        steps: Integer, train steps (calls of the train function times
+            `steps_per_execution`).
+        median_step_seconds: Float, the median wall time of one step (of
+            one call divided by `steps_per_execution`; `None` without one).
         median_own_seconds: Float, the median of each call's wall time minus
             its all-reduce phase: the worker's own work (input, forward,
             backward, apply); `None` where the all-reduce was not measured.
@@ -159,6 +161,9 @@ class TimelineRecorder:
         read_marks: `None`, or a callable returning the last train step's
             timestamps per local replica (`StepMarksBuffer.read`); called once
             after each call of the train function.
+        steps_per_call: Integer, train steps per call of the train function
+            (`steps_per_execution`): the summary counts each call as that
+            many steps of equal length.
         progress: The `Progress` to listen to (default: this process's).
         clock: Callable returning the wall time in seconds (for tests).
     """
@@ -168,11 +173,12 @@ class TimelineRecorder:
         task: str,
         read_marks: Callable[[], Sequence[Sequence[float]]] | None = None,
         *,
+        steps_per_call: int = 1,
         progress: Progress = PROGRESS,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.task, self.read_marks = task, read_marks
-        self.events: list[dict] = []
+        self.task, self.read_marks, self.steps_per_call = task, read_marks, max(1, int(steps_per_call))
+        self._events: list[tuple] = []  # (name, category, ts, dur, tid, args): tuples are a third of dicts.
         self.dropped = 0
         self.step_seconds: list[float] = []
         self.own_seconds: list[float] = []
@@ -211,6 +217,7 @@ class TimelineRecorder:
         end = begin + max(0.0, end_monotonic - phase.since_monotonic)
         args = {"detail": phase.detail}
         if phase.kind == "step":
+            args["epoch"] = self._progress.epoch
             self._step_ended(begin, end)
         self._add(_event_name(phase), _KIND_CATEGORIES.get(phase.kind, phase.kind), begin, end, MAIN_TID, args)
         if phase.kind == "agreement":
@@ -219,16 +226,16 @@ class TimelineRecorder:
     def _step_ended(self, begin, end):
         phases = step_phases(begin, end, latest_marks(self.read_marks()) if self.read_marks is not None else None)
         waited = sum(e - b for name, b, e in phases if name == ALL_REDUCE)
-        self.step_seconds.append(end - begin)
-        if any(name == ALL_REDUCE for name, _, _ in phases):
+        self.step_seconds.append((end - begin) / self.steps_per_call)
+        if any(name == ALL_REDUCE for name, _, _ in phases):  # Only with one step per call.
             self.own_seconds.append(end - begin - waited)
         self.collective_seconds += waited
-        for name, b, e in phases:
-            self._add(name, _CATEGORIES.get(name, "step"), b, e, MAIN_TID, {})
+        for name, b, e in phases:  # A merged phase ("all-reduce + apply") takes its last part's category.
+            self._add(name, _CATEGORIES[name.split(" + ")[-1]], b, e, MAIN_TID, {})
 
     def _add(self, name, category, begin, end, tid, args):
         with self._lock:
-            if len(self.events) >= MAX_EVENTS:
+            if len(self._events) >= MAX_EVENTS:
                 if not self.dropped:
                     warnings.warn(
                         f"keras-dist timeline: more than {MAX_EVENTS} events in one fit; later events are not "
@@ -239,17 +246,9 @@ class TimelineRecorder:
                     )
                 self.dropped += 1
                 return
-            self.events.append(
-                {
-                    "name": name,
-                    "cat": category,
-                    "ph": "X",
-                    "ts": round(begin * 1e6),
-                    "dur": max(0, round(end * 1e6) - round(begin * 1e6)),  # Integers: nested events stay nested.
-                    "tid": tid,
-                    "args": args,
-                }
-            )
+            ts = round(begin * 1e6)
+            # Integer microseconds, the end rounded alike: an event inside another stays inside it.
+            self._events.append((name, category, ts, max(0, round(end * 1e6) - ts), tid, args))
 
     def summary(self) -> WorkerSummary:
         """Returns this worker's `WorkerSummary` of the `fit` recorded."""
@@ -257,7 +256,7 @@ class TimelineRecorder:
         all_measured = bool(self.step_seconds) and len(self.own_seconds) == len(self.step_seconds)
         return WorkerSummary(
             task=self.task,
-            steps=len(self.step_seconds),
+            steps=len(self.step_seconds) * self.steps_per_call,
             median_step_seconds=statistics.median(self.step_seconds) if self.step_seconds else None,
             median_own_seconds=statistics.median(self.own_seconds) if all_measured else None,
             collective_seconds=self.collective_seconds,
@@ -267,7 +266,11 @@ class TimelineRecorder:
     def trace(self, pid: int) -> dict:
         """Returns the Chrome trace of the events recorded (see `chrome_trace`), under process id `pid`."""
         with self._lock:
-            events = list(self.events)
+            events = list(self._events)
+        events = [
+            {"name": n, "cat": c, "ph": "X", "ts": ts, "dur": dur, "tid": tid, "args": args}
+            for n, c, ts, dur, tid, args in events
+        ]
         return chrome_trace(events, pid=pid, process_name=self.task, dropped=self.dropped)
 
 
@@ -344,7 +347,10 @@ def straggler_report(
     comparable = [s for s in summaries if s.median_step_seconds is not None]
     by_own = bool(comparable) and all(s.median_own_seconds is not None for s in comparable)
     if not by_own and comparable:
-        lines.append("(own work not measured: the all-reduce inside the step is timed in keras-dist's own step)")
+        lines.append(
+            "(own work not measured: the all-reduce inside the step was not timed, see docs/timeline.md; "
+            "comparing whole steps)"
+        )
     if len(comparable) < 2:
         return "\n".join(lines)
     key = (lambda s: s.median_own_seconds) if by_own else (lambda s: s.median_step_seconds)

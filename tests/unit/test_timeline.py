@@ -140,6 +140,26 @@ def test_a_train_step_of_ones_own_gets_its_phases(mirrored_1x2_cpu, tmp_path):
     assert all(names.count(phase) == 5 for phase in STEP_PHASES), names
 
 
+@pytest.mark.parametrize(
+    "jit_compile, accumulation, phases",
+    [
+        (True, None, STEP_PHASES),  # XLA per replica: the timestamps sit around the compiled pass.
+        (False, 2, ["input", "forward/backward", "all-reduce + apply", "outputs"]),  # All-reduced inside `apply`.
+    ],
+    ids=["jit_compile", "gradient_accumulation"],
+)
+def test_phases_under_xla_and_gradient_accumulation(mirrored_1x2_cpu, tmp_path, jit_compile, accumulation, phases):
+    inputs = keras.Input((3,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=accumulation)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    timeline = Timeline(tmp_path, report=False)
+    _fit(model, [timeline], epochs=1)
+    events = _complete_events(timeline.recorder.trace(pid=0))
+    step = next(e for e in events if e["name"].startswith("train step "))
+    assert [e["name"] for e in events if e["cat"] != "step" and _inside(e, step)] == phases
+
+
 def test_the_environment_variable_adds_a_timeline_and_the_chief_prints_the_report(
     mirrored_1x2_cpu, tmp_path, monkeypatch, capsys
 ):
