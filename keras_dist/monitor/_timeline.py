@@ -215,7 +215,7 @@ class TimelineRecorder:
     def _phase_ended(self, phase: Phase, end_monotonic: float) -> None:
         begin = phase.since
         end = begin + max(0.0, end_monotonic - phase.since_monotonic)
-        args = {"detail": phase.detail}
+        args: dict[str, object] = {"detail": phase.detail}
         if phase.kind == "step":
             args["epoch"] = self._progress.epoch
             self._step_ended(begin, end)
@@ -266,10 +266,10 @@ class TimelineRecorder:
     def trace(self, pid: int) -> dict:
         """Returns the Chrome trace of the events recorded (see `chrome_trace`), under process id `pid`."""
         with self._lock:
-            events = list(self._events)
+            recorded = list(self._events)
         events = [
             {"name": n, "cat": c, "ph": "X", "ts": ts, "dur": dur, "tid": tid, "args": args}
-            for n, c, ts, dur, tid, args in events
+            for n, c, ts, dur, tid, args in recorded
         ]
         return chrome_trace(events, pid=pid, process_name=self.task, dropped=self.dropped)
 
