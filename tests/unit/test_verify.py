@@ -81,7 +81,8 @@ def test_functional_model_with_adam_passes(mirrored_1x2_cpu):
     assert "CPU:0" in report.reference_device
     paths = list(report.weight_differences)
     assert paths[:4] == ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"]
-    assert "adam/iteration" in paths and "adam/hidden_kernel_momentum" in paths
+    # The optimizer's name depends on how many were made before in the process (adam, adam_51, ...).
+    assert any(p.endswith("/iteration") for p in paths) and any(p.endswith("/hidden_kernel_momentum") for p in paths)
     assert report.max_weight_difference < 1e-5
     assert len(report.reference_logs) == len(report.logs) == 3
     assert set(report.logs[0]) == {"loss", "accuracy"}
