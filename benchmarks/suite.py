@@ -127,18 +127,25 @@ def measure(system, topology, workload, args, tmp):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1", "SUITE_STARTED_AT": repr(time.time())}
     for name in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS", "KERAS_BACKEND", "XLA_FLAGS"):
         env.pop(name, None)
-    command = command_for(system, topology, workload, args, out)
+    return run_measurement(command_for(system, topology, workload, args, out), env, out, args.timeout)[0]
+
+
+def run_measurement(command, env, out, timeout, cwd=None):
+    """Runs `command`, which writes its JSON result to `out`; returns `(result dict or {"error": ...}, process)`.
+
+    The process is `None` when it timed out after `timeout` seconds. `out` is removed once read.
+    """
     try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
+        return {"error": f"timed out after {timeout} s"}, None
     if proc.returncode != 0 or not os.path.exists(out):
         lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
-        return {"error": (lines[-1] if lines else f"exit status {proc.returncode}")[-300:]}
+        return {"error": (lines[-1] if lines else f"exit status {proc.returncode}")[-300:]}, proc
     with open(out) as f:
         result = json.load(f)
     os.remove(out)
-    return result
+    return result, proc
 
 
 def summarize(runs, global_batch_size):

@@ -114,17 +114,8 @@ def measure(variant, topology, args, tmp, baseline_dir):
     out = os.path.join(tmp, f"{topology}-{variant}.json")
     env = environment(variant, tmp, baseline_dir, topology)
     command = suite.command_for("keras_dist", topology, args.workload, args, out)
-    try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=tmp)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
-    if proc.returncode != 0 or not os.path.exists(out):
-        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
-        return {"error": (lines[-1] if lines else f"exit status {proc.returncode}")[-300:]}
-    with open(out) as f:
-        result = json.load(f)
-    os.remove(out)
-    if variant == "on":
+    result, proc = suite.run_measurement(command, env, out, args.timeout, cwd=tmp)
+    if "error" not in result and variant == "on":
         result["report"] = [line for line in proc.stdout.splitlines() if "worker" in line]
     return result
 
