@@ -11,8 +11,11 @@ only when `is_active(name)` is true.
 """
 
 import contextlib
+import gc
 import os
 import warnings
+
+import tensorflow as tf
 
 from keras_dist import errors
 from keras_dist._compat import versions
@@ -93,6 +96,21 @@ def sums_activity_regularization():
     Forcing the fix on a Keras that divides changes nothing: there the loss is a mean over examples.
     """
     return not versions.release_at_least("keras", "3.14") and is_active("summed_activity_regularization")
+
+
+def collect_finished_call(strategy):
+    """Runs Python's cycle collector after a fit/evaluate/predict under `MultiWorkerMirroredStrategy` (fix `finished_epoch_iterator_cycle`).
+
+    Keras' epoch iterator sits in a reference cycle with its own generator, so the
+    finished call's tf.data pipeline is destroyed whenever the collector next runs;
+    collecting here makes that happen on every worker at the same point, not inside
+    a later step of one worker while the others wait for it. Costs about 0.2 s a call.
+
+    Args:
+        strategy: The model's `tf.distribute.Strategy`.
+    """
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and is_active("finished_epoch_iterator_cycle"):
+        gc.collect()
 
 
 @contextlib.contextmanager

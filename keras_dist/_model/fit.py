@@ -12,12 +12,23 @@ import contextlib
 
 import keras
 
+from keras_dist._compat import keras_fixes
 from keras_dist._model import monitoring, workers
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _resume as callbacks_resume
 from keras_dist.callbacks import _timeline as callbacks_timeline
 from keras_dist.data import _distribute as data_distribute
 from keras_dist.data import _inputs as data_inputs
+
+
+class _Collecting:
+    """`close()` runs `keras_fixes.collect_finished_call` (first in a `with`, so it runs after the rest exited)."""
+
+    def __init__(self, model):
+        self._strategy = model.distribute_strategy
+
+    def close(self):
+        keras_fixes.collect_finished_call(self._strategy)
 
 
 def fit(model, keras_fit, args, kwargs):
@@ -34,6 +45,7 @@ def fit(model, keras_fit, args, kwargs):
     agree_on_stop = arguments["callbacks"][-1]
     timeline = callbacks_timeline.timeline_in(arguments["callbacks"])
     with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.closing(_Collecting(model)))  # Exits last, once the rest let go.
         stack.enter_context(workers.naming_lost_workers(model))
         if timeline is not None:  # Outside `fit`'s own phase: the file and the report come after it ended.
             stack.enter_context(monitoring.recording_timeline(model, timeline))
@@ -64,6 +76,7 @@ def evaluate(model, keras_evaluate, args, kwargs):
     """`DistributedModel.evaluate`: Keras' `evaluate` (`keras_evaluate`, bound) on the distributed inputs."""
     arguments = data_inputs.bind_inputs(model, keras.Model.evaluate, args, kwargs, ("x",))
     with (
+        contextlib.closing(_Collecting(model)),
         workers.naming_lost_workers(model),
         monitoring.tracking_call(model, "evaluate"),
         monitoring.tracking_callbacks(arguments.get("callbacks")),
@@ -76,6 +89,7 @@ def predict(model, keras_predict, args, kwargs):
     """`DistributedModel.predict`: Keras' `predict` (`keras_predict`, bound) on the distributed inputs."""
     arguments = data_inputs.bind_inputs(model, keras.Model.predict, args, kwargs, ("x",))
     with (
+        contextlib.closing(_Collecting(model)),
         workers.naming_lost_workers(model),
         monitoring.tracking_call(model, "predict"),
         monitoring.tracking_callbacks(arguments.get("callbacks")),

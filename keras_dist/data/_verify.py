@@ -187,21 +187,31 @@ def _unwrap(batch):
 
 
 def _gather_ids(strategy, distributed, example_id, steps):
+    """Every replica's example ids and replica ids, one batch per call of a `tf.function`.
+
+    The iterator is advanced inside the function, as Keras' own train step does:
+    a multi-worker iterator decides whether any worker still has data with an
+    all-reduce, which run eagerly (a Python `for` over the distributed dataset)
+    could wait minutes on a busy machine before completing.
+    """
+
     def replica_fn(batch):
         ids = tf.cast(tf.reshape(example_id(batch), [-1]), tf.int64)
         replica = tf.distribute.get_replica_context().replica_id_in_sync_group
         return ids, tf.fill(tf.shape(ids), tf.cast(replica, tf.int64))
 
     @tf.function
-    def step(batch):
-        ids, replicas = strategy.run(replica_fn, args=(batch,))
+    def step(iterator):
+        ids, replicas = strategy.run(replica_fn, args=(next(iterator),))
         return strategy.gather(ids, axis=0), strategy.gather(replicas, axis=0)
 
+    iterator = iter(distributed)
     all_ids, all_replicas = [], []
-    for index, batch in enumerate(distributed):
-        if steps is not None and index >= steps:
+    for _ in itertools.count() if steps is None else range(steps):
+        try:
+            ids, replicas = step(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
             break
-        ids, replicas = step(batch)
         all_ids.extend(ids.numpy().tolist())
         all_replicas.extend(replicas.numpy().tolist())
     return all_ids, all_replicas
