@@ -21,16 +21,6 @@ from keras_dist.data import _distribute as data_distribute
 from keras_dist.data import _inputs as data_inputs
 
 
-class _Collecting:
-    """`close()` runs `keras_fixes.collect_finished_call` (first in a `with`, so it runs after the rest exited)."""
-
-    def __init__(self, model):
-        self._strategy = model.distribute_strategy
-
-    def close(self):
-        keras_fixes.collect_finished_call(self._strategy)
-
-
 def fit(model, keras_fit, args, kwargs):
     """`DistributedModel.fit`: Keras' `fit` (`keras_fit`, bound) with the arguments above adapted."""
     arguments = data_inputs.bind_inputs(model, keras.Model.fit, args, kwargs, ("x", "validation_data"))
@@ -45,7 +35,7 @@ def fit(model, keras_fit, args, kwargs):
     agree_on_stop = arguments["callbacks"][-1]
     timeline = callbacks_timeline.timeline_in(arguments["callbacks"])
     with contextlib.ExitStack() as stack:
-        stack.enter_context(contextlib.closing(_Collecting(model)))  # Exits last, once the rest let go.
+        stack.enter_context(keras_fixes.collecting_after(model.distribute_strategy))  # Exits last.
         stack.enter_context(workers.naming_lost_workers(model))
         if timeline is not None:  # Outside `fit`'s own phase: the file and the report come after it ended.
             stack.enter_context(monitoring.recording_timeline(model, timeline))
@@ -76,7 +66,7 @@ def evaluate(model, keras_evaluate, args, kwargs):
     """`DistributedModel.evaluate`: Keras' `evaluate` (`keras_evaluate`, bound) on the distributed inputs."""
     arguments = data_inputs.bind_inputs(model, keras.Model.evaluate, args, kwargs, ("x",))
     with (
-        contextlib.closing(_Collecting(model)),
+        keras_fixes.collecting_after(model.distribute_strategy),  # Exits last.
         workers.naming_lost_workers(model),
         monitoring.tracking_call(model, "evaluate"),
         monitoring.tracking_callbacks(arguments.get("callbacks")),
@@ -89,7 +79,7 @@ def predict(model, keras_predict, args, kwargs):
     """`DistributedModel.predict`: Keras' `predict` (`keras_predict`, bound) on the distributed inputs."""
     arguments = data_inputs.bind_inputs(model, keras.Model.predict, args, kwargs, ("x",))
     with (
-        contextlib.closing(_Collecting(model)),
+        keras_fixes.collecting_after(model.distribute_strategy),  # Exits last.
         workers.naming_lost_workers(model),
         monitoring.tracking_call(model, "predict"),
         monitoring.tracking_callbacks(arguments.get("callbacks")),

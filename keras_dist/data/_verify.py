@@ -191,8 +191,8 @@ def _gather_ids(strategy, distributed, example_id, steps):
 
     The iterator is advanced inside the function, as Keras' own train step does:
     a multi-worker iterator decides whether any worker still has data with an
-    all-reduce, which run eagerly (a Python `for` over the distributed dataset)
-    could wait minutes on a busy machine before completing.
+    all-reduce, which then runs in the graph instead of eagerly once per batch,
+    and the function is traced once, not once per batch shape.
     """
 
     def replica_fn(batch):

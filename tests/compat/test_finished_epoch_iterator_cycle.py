@@ -5,7 +5,7 @@ the iterator: a reference cycle that keeps the call's distributed tf.data
 pipeline (and its threads) alive until the collector runs, at a moment no
 worker chooses. In the 2x2 run of tests/integration/test_input_sharding.py that
 moment fell inside a later `verify_sharding` on one worker and held it 30 s to
-7 min while the other waited in a collective (3 of 4 runs; none of 4 with the
+7 min while the other waited in a collective (3 of 4 runs; none of 3 with a
 collection at the end of each call). Here, in a subprocess with the collector
 off, the iterators left alive after each call are counted.
 """
