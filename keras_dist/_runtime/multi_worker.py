@@ -129,10 +129,15 @@ def _startup_watchdog(cluster_resolver, cluster_spec, startup_timeout_seconds):
     leader waits for a missing worker forever, inside TensorFlow and holding the
     GIL, so no Python thread can run. `faulthandler`'s C timer still does: after
     `startup_timeout_seconds` (and 1 s) it writes the stacks into a pipe and
-    exits with status 1; a small process reading the pipe then writes the error,
-    naming the workers whose address refuses a connection, as an uncaught
-    `WorkerUnavailableError` would. When the strategy exists first, `cancel`
-    stops the timer and closes the pipe, and that process ends silently.
+    exits with status 1; a small process reading the pipe writes the error as
+    soon as the stacks start, naming the workers whose address refuses a
+    connection, as an uncaught `WorkerUnavailableError` would. That process
+    ignores SIGTERM and SIGINT, and `keras-dist launch` and
+    `keras_dist.testing.run_workers` wait for a stopped worker's whole process
+    group (`keras_dist._process.stop_process_groups`), so the error is not lost
+    when the worker's group is stopped just after it exits. When the strategy
+    exists first, `cancel` stops the timer and closes the pipe, and that
+    process ends silently.
 
     Returns:
         An object whose `cancel()` stops the watchdog.
@@ -169,10 +174,14 @@ def _startup_watchdog(cluster_resolver, cluster_spec, startup_timeout_seconds):
 
 
 # Run by `_startup_watchdog`'s reporter process (no TensorFlow): silent unless the pipe brings stacks.
+# It ignores SIGTERM and SIGINT: stopping the worker's process group just after the worker exits must not lose
+# the message (CI lost it so on the oldest stack); the end of the pipe still ends it.
 _REPORT_SCRIPT = """
-import json, socket, sys
+import json, signal, socket, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 own, peers, timeout, variable = json.loads(sys.argv[1])
-if sys.stdin.buffer.read():
+if sys.stdin.buffer.read(1):  # The timer fired (the worker exits once its stacks are written): report now.
     missing = []
     for name, address in peers.items():
         host, _, port = address.rpartition(":")
@@ -187,6 +196,8 @@ if sys.stdin.buffer.read():
         f"that their addresses are reachable from this machine, or raise {variable}. "
         "See docs/troubleshooting.md#worker-unavailable.\\n"
     )
+    sys.stderr.flush()
+    sys.stdin.buffer.read()
 """
 
 

@@ -9,14 +9,13 @@ Each worker runs in its own session, so it is also its own process group;
 signals go to the whole group, which reaches the worker's children too.
 """
 
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 
-from keras_dist._process import RESTART_EXIT_STATUS
+from keras_dist._process import RESTART_EXIT_STATUS, signal_process_groups, stop_process_groups
 
 _POLL_SECONDS = 0.1
 _READER_JOIN_SECONDS = 5.0
@@ -147,23 +146,12 @@ class WorkerGroup:
     def _stop_all(self, signum):
         """Sends `signum` to every worker group, waits the grace period, then SIGKILLs and reaps all."""
         self._stopping = True
-        self._signal_groups(signum)
-        deadline = time.monotonic() + self._grace_period
-        for task_id, proc in self._processes.items():
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._say(f"worker {task_id} did not exit within {self._grace_period:g} s; sending SIGKILL.")
-        self._signal_groups(signal.SIGKILL)  # Also reaches children a worker left behind.
-        for proc in self._processes.values():
-            proc.wait()
+        task_ids = {proc.pid: task_id for task_id, proc in self._processes.items()}
 
-    def _signal_groups(self, signum):
-        for proc in list(self._processes.values()):
-            try:
-                os.killpg(proc.pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass  # The whole group has exited already.
+        def overdue(proc):
+            self._say(f"worker {task_ids[proc.pid]} did not exit within {self._grace_period:g} s; sending SIGKILL.")
+
+        stop_process_groups(self._processes.values(), self._grace_period, signum=signum, on_overdue=overdue)
 
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():
@@ -173,7 +161,7 @@ class WorkerGroup:
     def _on_signal(self, signum, frame):
         del frame
         if self._stopping:  # A signal while already stopping: skip the grace period.
-            self._signal_groups(signal.SIGKILL)
+            signal_process_groups(self._processes.values(), signal.SIGKILL)
         if self._signal is None:
             self._signal = signum
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from keras_dist import _env
+from keras_dist._process import stop_process_groups
 from keras_dist.cli.launch import build_cluster_spec, build_worker_env, find_free_ports
 
 __all__ = ["LauncherResult", "WorkerResult", "WorkersResult", "clean_env", "run_launcher", "run_workers"]
@@ -235,7 +235,7 @@ def run_workers(
                 break
             time.sleep(_POLL_SECONDS)
     finally:
-        _stop(processes.values(), grace_period)
+        stop_process_groups(processes.values(), grace_period)
         outputs = {}
         for i, log in logs.items():
             log.seek(0)
@@ -346,27 +346,3 @@ def run_launcher(
                 launcher.kill()
                 launcher.wait()
     return LauncherResult(command, launcher.returncode, stdout, stderr, timed_out)
-
-
-def _stop(processes, grace_period):
-    """SIGTERM to each running worker's process group, SIGKILL after `grace_period`, then reap all."""
-    processes = list(processes)
-    running = [p for p in processes if p.poll() is None]
-    _signal_groups(running, signal.SIGTERM)
-    deadline = time.monotonic() + grace_period
-    for p in running:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    _signal_groups(processes, signal.SIGKILL)  # Also reaches children a worker left behind.
-    for p in processes:
-        p.wait()
-
-
-def _signal_groups(processes, signum):
-    for p in processes:
-        try:
-            os.killpg(p.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass  # The whole group has exited already.
