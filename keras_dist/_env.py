@@ -40,6 +40,9 @@ SLURM_PORT_BASE_ENV = "KERAS_DIST_SLURM_PORT_BASE"
 WRITE_TIMEOUT_ENV = "KERAS_DIST_WRITE_TIMEOUT"
 # Set by `keras-dist launch`: 0 on the first start, then 1, 2, ... after each restart.
 RESTART_COUNT_ENV = "KERAS_DIST_RESTART_COUNT"
+# Set by a local `keras-dist launch`: the worker's slot (its task index at the first start; kept when an
+# elastic launch drops a slot and renumbers the others).
+WORKER_SLOT_ENV = "KERAS_DIST_WORKER_SLOT"
 # Comma-separated names of compatibility fixes to switch off (keras_dist._compat.keras_fixes).
 DISABLE_FIXES_ENV = "KERAS_DIST_DISABLE_FIXES"
 # `all`, or comma-separated names of fixes to keep on outside their verified versions (keras_dist._compat).
@@ -62,6 +65,7 @@ ALL = (
     SLURM_PORT_BASE_ENV,
     WRITE_TIMEOUT_ENV,
     RESTART_COUNT_ENV,
+    WORKER_SLOT_ENV,
     DISABLE_FIXES_ENV,
     FORCE_FIXES_ENV,
     QUIET_ENV,

@@ -15,12 +15,13 @@ from keras_dist._env import (
     HEARTBEAT_TIMEOUT_ENV,
     STALL_TIMEOUT_ENV,
     STARTUP_TIMEOUT_ENV,
+    WORKER_SLOT_ENV,
 )
 from keras_dist.cli._threads import INTER_OP_THREADS_ENV, INTRA_OP_THREADS_ENV, check_threads
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_NUM_WORKERS = 2
-_INHERITED_ENV_TO_DROP = ("TF_CONFIG", CPU_REPLICAS_ENV)
+_INHERITED_ENV_TO_DROP = ("TF_CONFIG", CPU_REPLICAS_ENV, WORKER_SLOT_ENV)
 
 
 def find_free_ports(num_ports, host=LOOPBACK):

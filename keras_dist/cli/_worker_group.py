@@ -74,6 +74,7 @@ class WorkerGroup:
         self._signal = None
         self._stopping = False
         self.received_signal = None
+        self.failed_task_id = None
 
     def run(self, command, envs):
         """Starts one worker per `envs` item and waits for all of them.
@@ -134,6 +135,7 @@ class WorkerGroup:
             failed = [(task_id, code) for task_id, code in returncodes.items() if code not in (None, 0)]
             if failed:
                 task_id, returncode = failed[0]
+                self.failed_task_id = task_id
                 others_running = None in returncodes.values()
                 suffix = "; stopping the other workers." if others_running else "."
                 self._say(exit_status_message(task_id, returncode) + suffix)

@@ -17,6 +17,10 @@ Exit status of `keras-dist launch`:
     with --max-restarts N, a failed worker group is restarted up to N times
     (new ports, KERAS_DIST_RESTART_COUNT=1, 2, ...), and the status is that of
     the last attempt;
+    with --min-workers M as well (elastic), each worker slot may fail N times;
+    one that fails again is dropped and the others go on, renumbered, while at
+    least M remain (a dropped slot gets one more try at the next restart that
+    another slot's failure causes); the status is that of the last attempt;
     2 for a bad command line (reported by argparse before any process starts).
 """
 
@@ -26,6 +30,7 @@ import sys
 
 from keras_dist._env import (
     RESTART_COUNT_ENV,
+    WORKER_SLOT_ENV,
 )
 from keras_dist.cli._cluster_env import (  # Re-exported: the launcher's public functions.
     DEFAULT_NUM_WORKERS,
@@ -38,6 +43,7 @@ from keras_dist.cli._cluster_env import (  # Re-exported: the launcher's public 
     find_free_ports,
     parse_worker_addresses,
 )
+from keras_dist.cli._elastic import Membership
 from keras_dist.cli._threads import (
     check_threads,
     threads_for_launch,
@@ -120,6 +126,13 @@ def launch_command_parser(subparsers):
         metavar="N",
         help="restart all workers up to N times after a failure (default 0); the script resumes with BackupAndRestore",
     )
+    add(
+        "--min-workers",
+        type=int,
+        metavar="M",
+        help="elastic: a worker that fails after its --max-restarts is dropped, and the rest go on from the "
+        "last backup while at least M remain (a local launch only; default: the number of workers, no drop)",
+    )
     add("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
     add("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     add("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments passed to SCRIPT unchanged")
@@ -156,32 +169,35 @@ def launch_command(args):
     command = [sys.executable, "-u", *(["-m"] if args.module else []), args.script, *args.script_args]
     requested_threads = getattr(args, "threads_per_worker", None)
     max_restarts = getattr(args, "max_restarts", 0) or 0
-    for attempt in range(max_restarts + 1):
+    num_workers = 1 if args.workers is not None else (args.num_workers or DEFAULT_NUM_WORKERS)
+    membership = Membership(num_workers, max_restarts, getattr(args, "min_workers", None))
+    while True:
         if args.workers is not None:
             cluster_spec = build_cluster_spec(addresses=parse_worker_addresses(args.workers))
             task_ids = [args.task_index]
         else:
-            num_workers = DEFAULT_NUM_WORKERS if args.num_workers is None else args.num_workers
-            cluster_spec = build_cluster_spec(ports=find_free_ports(num_workers))  # Fresh ports per attempt.
-            task_ids = range(num_workers)
+            cluster_spec = build_cluster_spec(ports=find_free_ports(len(membership.slots)))  # Fresh ports per attempt.
+            task_ids = range(len(membership.slots))
         threads = threads_for_launch(len(task_ids), requested_threads, os.environ)
         envs = {}
         for i in task_ids:
             envs[i] = build_worker_env(
                 os.environ, cluster_spec=cluster_spec, task_id=i, threads_per_worker=threads, **options
             )
-            envs[i][RESTART_COUNT_ENV] = str(attempt)
+            envs[i][RESTART_COUNT_ENV] = str(membership.attempt)
+            if args.workers is None:
+                envs[i][WORKER_SLOT_ENV] = str(membership.worker_slot(i))
         group = WorkerGroup(grace_period=args.grace_period)
         status = group.run(command, envs)
-        if status == 0 or group.received_signal is not None or attempt == max_restarts:
+        if status == 0 or group.received_signal is not None:
             return status
-        print(
-            f"keras-dist launch: restarting all workers (restart {attempt + 1} of {max_restarts}); "
-            "a BackupAndRestore in fit resumes from its last backup.",
-            file=sys.stderr,
-            flush=True,
-        )
-    return status
+        failed = group.failed_task_id if args.workers is None else 0
+        decision = membership.after_failure(membership.worker_slot(failed or 0))
+        if not decision.restart and not membership.elastic:
+            return status  # Restarts used up: the fixed policy ends with the last attempt's status, silently.
+        print(f"keras-dist launch: {decision.message}", file=sys.stderr, flush=True)
+        if not decision.restart:
+            return status
 
 
 def _validate_args(args):
@@ -210,6 +226,20 @@ def _validate_args(args):
             f"`--max-restarts` must be an integer >= 0. Received: --max-restarts={max_restarts}. "
             "Fix: pass 0 (no restart) or the number of restarts to allow."
         )
+    min_workers = getattr(args, "min_workers", None)
+    if min_workers is not None:
+        if args.workers is not None:
+            raise ValueError(
+                "`--min-workers` applies to a local launch (`--num-workers`): with `--workers`, each machine "
+                f"runs its own launcher and no launcher sees them all. Received: --min-workers={min_workers} "
+                "with --workers. Fix: drop --min-workers, or let your cluster engine restart the job."
+            )
+        num_workers = args.num_workers or DEFAULT_NUM_WORKERS
+        if not isinstance(min_workers, int) or not 1 <= min_workers <= num_workers:
+            raise ValueError(
+                f"`--min-workers` must be from 1 to the number of workers ({num_workers}). "
+                f"Received: --min-workers={min_workers}. Fix: pass a count from 1 to {num_workers}, or drop it."
+            )
     if not args.module and not os.path.isfile(args.script):
         raise ValueError(
             f"The script to launch must be an existing file. Received: SCRIPT={args.script!r} "

@@ -188,3 +188,59 @@ print(os.environ["TF_CONFIG"])
     assert result.worker_lines(0) == []
     (line,) = result.worker_lines(1)
     assert json.loads(line) == {"cluster": {"worker": workers}, "task": {"type": "worker", "index": 1}}
+
+
+@pytest.mark.timeout(120)
+def test_elastic_launch_drops_a_slot_that_keeps_failing_and_goes_on(tmp_path):
+    # Slot 1 fails at every start; slot 2 fails once. Each start records (attempt, slot, task, workers).
+    script = _script(
+        tmp_path,
+        """
+slot, attempt = os.environ["KERAS_DIST_WORKER_SLOT"], os.environ["KERAS_DIST_RESTART_COUNT"]
+workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+write(f"start-{attempt}-{slot}", f"{TASK_ID} {workers}")
+if slot == "1" or (slot == "2" and attempt == "0"):
+    sys.exit(3)
+""",
+    )
+    result = _run(["--num-workers", "3", "--max-restarts", "1", "--min-workers", "2"], [script, str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    starts = {p.name: p.read_text() for p in tmp_path.glob("start-*")}
+    # Whether slot 1 or 2 is blamed for attempt 0 (both fail at once), slot 1's second failure drops it,
+    # and the last attempt runs slots 0 and 2 as workers 0 and 1 of 2.
+    last = max(int(name.split("-")[1]) for name in starts)
+    assert {n: t for n, t in starts.items() if n.startswith(f"start-{last}-")} == {
+        f"start-{last}-0": "0 2",
+        f"start-{last}-2": "1 2",
+    }, (starts, result.stderr)
+    assert "worker slot 1 failed 2 times (its 1 restart is used up): continuing with 2 workers instead of 3" in (
+        result.stderr
+    )
+    assert "(slots 0, 2 as workers 0-1; --min-workers 2)" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_elastic_launch_stops_below_min_workers(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+if os.environ["KERAS_DIST_WORKER_SLOT"] == "1":
+    sys.exit(3)
+if workers == 1:
+    sys.exit(5)
+wait_for("never", timeout=50)
+""",
+    )
+    # --min-workers equal to the count: the fixed policy (one restart in all), then slot 1's status.
+    result = _run(["--num-workers", "2", "--max-restarts", "1", "--min-workers", "2"], [script, str(tmp_path)])
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert result.stderr.count("restarting all workers (restart 1 of 1)") == 1
+    result = _run(["--num-workers", "2", "--max-restarts", "0", "--min-workers", "1"], [script, str(tmp_path)])
+    assert result.returncode == 5, result.stdout + result.stderr
+    assert "worker slot 1 failed 1 time (its 0 restarts are used up): continuing with 1 worker instead of 2" in (
+        result.stderr
+    )
+    assert "worker slot 0 failed 1 time (its 0 restarts are used up), and 0 workers would remain, fewer than" in (
+        result.stderr
+    )
