@@ -65,7 +65,13 @@ def make_plan(faults, seed, workers, kinds=KINDS, epochs=None):
     steps_per_epoch = EXAMPLES // BATCH_SIZE
     if epochs is None:  # Each start gains at most 8 steps: leave room for every fault and some after.
         epochs = max(3, math.ceil((8 * faults + steps_per_epoch) / steps_per_epoch))
-    return {"examples": EXAMPLES, "batch_size": BATCH_SIZE, "save_freq": SAVE_FREQ, "epochs": epochs, "faults": schedule}
+    return {
+        "examples": EXAMPLES,
+        "batch_size": BATCH_SIZE,
+        "save_freq": SAVE_FREQ,
+        "epochs": epochs,
+        "faults": schedule,
+    }
 
 
 def launch(plan, out_dir, workers, max_restarts, timeout):
@@ -165,7 +171,9 @@ def run(faults=10, seed=0, workers=2, kinds=KINDS, out_dir=None, timeout=1500.0)
 def print_report(report, file=sys.stdout):
     say = lambda text="": print(text, file=file)  # noqa: E731
     say(f"chaos run: {report['workers']} workers, seed {report['seed']}, {report['scheduled']} faults scheduled")
-    say(f"{'start':>5}  {'fault':<15}{'slot':>4}  {'at step':>7}  {'resumed at':>10}  {'replayed':>8}  {'recovery s':>10}")
+    say(
+        f"{'start':>5}  {'fault':<15}{'slot':>4}  {'at step':>7}  {'resumed at':>10}  {'replayed':>8}  {'recovery s':>10}"
+    )
     for row in report["faults"]:
         cells = [row["resumed_at"], row["replayed"], row["recovery_s"]]
         resumed, replayed, recovery = ("-" if c is None else c for c in cells)
@@ -193,7 +201,9 @@ def main(argv=None):
     parser.add_argument("--faults", type=int, default=10, help="faults to schedule (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the schedule (default 0)")
     parser.add_argument("--workers", type=int, default=2, choices=(1, 2, 3), help="workers (default 2)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated fault kinds (default {','.join(KINDS)})")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated fault kinds (default {','.join(KINDS)})"
+    )
     parser.add_argument("--out", help="directory for the runs' files (default: a new temporary directory)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)

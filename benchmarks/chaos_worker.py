@@ -106,7 +106,10 @@ def main(out_dir, plan_path):
         Faults(out_dir, backup_dir, fault, attempt, slot),
     ]
     model.fit(x, y, batch_size=plan["batch_size"], epochs=plan["epochs"], shuffle=False, verbose=0, callbacks=callbacks)
-    result = {"iterations": int(np.asarray(model.optimizer.iterations)), "weights": [w.tolist() for w in model.get_weights()]}
+    result = {
+        "iterations": int(np.asarray(model.optimizer.iterations)),
+        "weights": [w.tolist() for w in model.get_weights()],
+    }
     with open(os.path.join(out_dir, f"result-{keras_dist.task_id()}.json"), "w") as f:
         json.dump(result, f)
 
