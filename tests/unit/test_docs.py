@@ -31,3 +31,15 @@ def test_figures_are_drawn_from_the_committed_benchmark_results(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "all_reduce_busbw.png").stat().st_size > 10_000
     assert os.path.exists(os.path.join(ROOT, "docs", "images", "all_reduce_busbw.png"))  # The one the docs show.
+
+
+def test_the_ray_train_script_in_the_multi_worker_guide_is_the_tested_file():
+    """docs/multi_worker.md shows examples/ray_train.py whole, as tests/integration/test_ray_train.py runs it."""
+    guide = open(os.path.join(ROOT, "docs", "multi_worker.md")).read()
+    marker = "<!-- examples/ray_train.py: tests/unit/test_docs.py checks that this block is the file -->\n```python\n"
+    assert guide.count(marker) == 1, "the guide's Ray Train section lost the marker before its script"
+    shown = guide.split(marker)[1].split("\n```\n")[0] + "\n"
+    with open(os.path.join(ROOT, "examples", "ray_train.py")) as f:
+        assert shown == f.read(), (
+            "docs/multi_worker.md's copy differs from examples/ray_train.py: paste the file in again"
+        )
