@@ -74,7 +74,7 @@ def make_plan(faults, seed, workers, kinds=KINDS, epochs=None):
     }
 
 
-def launch(plan, out_dir, workers, max_restarts, timeout):
+def launch(plan, out_dir, workers, max_restarts, timeout, min_workers=None):
     """Runs `keras-dist launch` of `chaos_worker.py` with `plan`; returns (LauncherResult, wall seconds)."""
     from keras_dist.testing import clean_env, run_launcher
 
@@ -85,6 +85,8 @@ def launch(plan, out_dir, workers, max_restarts, timeout):
     env = clean_env(KERAS_DIST_QUIET="1", TF_CPP_MIN_LOG_LEVEL="3")
     options = ["--num-workers", str(workers), "--max-restarts", str(max_restarts)]
     options += ["--stall-timeout", "5", "--grace-period", "3"]
+    if min_workers is not None:
+        options += ["--min-workers", str(min_workers)]
     start = time.monotonic()
     result = run_launcher([*options, WORKER, out_dir, plan_path], env=env, timeout=timeout)
     return result, time.monotonic() - start
@@ -111,16 +113,23 @@ def max_weight_difference(a, b):
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True))
 
 
-def run(faults=10, seed=0, workers=2, kinds=KINDS, out_dir=None, timeout=1500.0):
-    """Runs the reference and the chaos launch; returns the figures as a dict (see the module docstring)."""
+def run(faults=10, seed=0, workers=2, kinds=KINDS, out_dir=None, timeout=1500.0, plan=None, **launch_options):
+    """Runs the reference and the chaos launch; returns the figures as a dict (see the module docstring).
+
+    `plan` replaces the seeded one (`make_plan`); `launch_options` (`max_restarts`,
+    `min_workers`) replace the chaos launch's defaults (faults + 1, none).
+    """
     out_dir = out_dir or tempfile.mkdtemp(prefix="keras-dist-chaos-")
-    plan = make_plan(faults, seed, workers, kinds)
+    plan = plan or make_plan(faults, seed, workers, kinds)
     quiet = dict(plan, faults=[])
     reference_dir, chaos_dir = os.path.join(out_dir, "reference"), os.path.join(out_dir, "chaos")
     reference_run, reference_seconds = launch(quiet, reference_dir, workers, 0, timeout)
-    chaos_run, chaos_seconds = launch(plan, chaos_dir, workers, faults + 1, timeout)
+    max_restarts = launch_options.get("max_restarts", len(plan["faults"]) + 1)
+    chaos_run, chaos_seconds = launch(
+        plan, chaos_dir, workers, max_restarts, timeout, launch_options.get("min_workers")
+    )
     (reference,) = read_result(reference_dir, 1)
-    results = read_result(chaos_dir, workers)
+    results = [r for r in read_result(chaos_dir, workers) if r is not None] or [None]
     events = read_events(chaos_dir)
     starts = {}
     for event in events:
@@ -151,6 +160,7 @@ def run(faults=10, seed=0, workers=2, kinds=KINDS, out_dir=None, timeout=1500.0)
         "seed": seed,
         "workers": workers,
         "scheduled": len(plan["faults"]),
+        "finished_workers": sum(r is not None for r in results),
         "injected": len(rows),
         "faults": rows,
         "launcher_status": chaos_run.returncode,

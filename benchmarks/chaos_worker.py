@@ -6,8 +6,9 @@ Trains a small regression model with BatchNormalization and Adam, the way a
 keras.io script does (`DistributedModel`, `compile`, `fit` with a
 `BackupAndRestore(save_freq=...)`), on fixed data in a fixed order. The plan
 says the data size, the epochs, and the faults: at most one per start of the
-workers (`KERAS_DIST_RESTART_COUNT` picks it), injected by the worker whose
-`KERAS_DIST_WORKER_SLOT` it names, after that many steps of that start:
+workers (`KERAS_DIST_RESTART_COUNT` picks it; a fault of attempt "every" hits every
+start), injected by the worker whose `KERAS_DIST_WORKER_SLOT` it names, after
+that many steps of that start:
 
   sigkill         the worker SIGKILLs itself
   sigterm         the worker SIGTERMs itself (a preemption notice: every worker
@@ -88,7 +89,7 @@ def main(out_dir, plan_path):
         plan = json.load(f)
     attempt = int(os.environ.get("KERAS_DIST_RESTART_COUNT", "0"))
     slot = int(os.environ.get("KERAS_DIST_WORKER_SLOT", keras_dist.task_id()))
-    fault = next((f for f in plan["faults"] if f["attempt"] == attempt), None)
+    fault = next((f for f in plan["faults"] if f["attempt"] in (attempt, "every")), None)
 
     rng = np.random.RandomState(0)
     x = rng.rand(plan["examples"], 8).astype("float32")
