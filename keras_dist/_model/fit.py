@@ -26,9 +26,10 @@ def fit(model, keras_fit, args, kwargs):
     arguments = data_inputs.bind_inputs(model, keras.Model.fit, args, kwargs, ("x", "validation_data"))
     backups = callbacks_resume.backups_in(arguments.get("callbacks"))
     resume_point = callbacks_resume.ResumePoint(0)
-    if backups and not data_distribute.is_distributed(arguments.get("x")):
+    if backups:
         # A DatasetCreator's input is built per worker by the user: it resumes at the epoch.
-        resume_point = callbacks_resume.ResumePoint(callbacks_resume.steps_done_in_epoch(backups[0]))
+        by_step = not data_distribute.is_distributed(arguments.get("x"))
+        resume_point = callbacks_resume.ResumePoint.of(backups[0], by_step=by_step)
     arguments["callbacks"] = callbacks_adapt.adapt_callbacks(
         arguments.get("callbacks"), model, model._agreement(), resume_point=resume_point
     )
@@ -42,14 +43,11 @@ def fit(model, keras_fit, args, kwargs):
         stack.enter_context(monitoring.tracking_call(model, "fit"))
         stack.enter_context(monitoring.tracking_callbacks(arguments["callbacks"]))
         stack.enter_context(data_inputs.distributing_inputs(model, ["fit", "validation"], arguments))
-        stack.enter_context(
-            callbacks_resume.skipping_resumed_steps(
-                model,
-                resume_point,
-                callbacks_resume.epoch_length_is_known(arguments.get("x"), arguments.get("steps_per_epoch")),
-            )
-        )
         if backups:
+            x, steps_per_epoch = arguments.get("x"), arguments.get("steps_per_epoch")
+            can_skip = callbacks_resume.epoch_length_is_known(x, steps_per_epoch)
+            batch_size = callbacks_resume.arrays_batch_size(x, arguments.get("batch_size"))
+            stack.enter_context(callbacks_resume.skipping_resumed_steps(model, resume_point, can_skip, batch_size))
             stack.enter_context(callbacks_resume.catching_sigterm())
         history = keras_fit(**workers.chief_only_verbosity(model, arguments))
     if agree_on_stop.preempted:

@@ -49,11 +49,13 @@ def test_standard_callbacks_write_once_on_the_chief_and_files_load(tmp_path):
     plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
     plain.load_weights(run / "best.weights.h5")  # Loss fell every epoch: the best is the last.
     assert all(np.allclose(a, b) for a, b in zip(plain.get_weights(), trained))
-    assert json.loads((run / "backup" / "training_metadata.json").read_text()) == {
+    metadata = json.loads((run / "backup" / "training_metadata.json").read_text())
+    assert {k: metadata[k] for k in ("epoch", "batch", "keras_dist_steps_done_in_epoch")} == {
         "epoch": 2,
         "batch": 0,
         "keras_dist_steps_done_in_epoch": 0,
     }
+    assert metadata["keras_dist_num_workers"] == 2  # With the global batch and the replicas (docs/callbacks.md).
     assert (run / "log.csv").read_text().count("\n") == 3  # Header and 2 epochs, written once.
 
 
