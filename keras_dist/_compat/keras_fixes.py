@@ -56,8 +56,16 @@ def active_fixes():
 
 
 def unverified_fixes():
-    """Returns the `Fix` entries off because the installed version is outside their verified range (and not forced)."""
-    return [fix for name, fix in FIXES.items() if not fix.applies_to_installed() and not is_forced(name)]
+    """Returns the `Fix` entries off because the installed version is outside their verified range (and not forced).
+
+    A fix whose bug the installed version no longer has (`Fix.fixed_in`) is off
+    because it is not needed, and is not listed.
+    """
+    return [
+        fix
+        for name, fix in FIXES.items()
+        if not fix.applies_to_installed() and not is_forced(name) and not fix.fixed_upstream()
+    ]
 
 
 _warned = False

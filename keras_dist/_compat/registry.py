@@ -31,6 +31,10 @@ class Fix:
             then nightly builds the fix works on (those do not widen `verified`).
         notes: String, what the runs found beyond that (a version without the
             bug, a test that cannot run on a version), or empty.
+        fixed_in: String, the first version of `package` whose release fixed
+            the bug (checked: its without-the-fix test finds no bug there), or
+            empty. From it on the fix is off because it is not needed, and
+            `import keras_dist` does not warn about it.
     """
 
     name: str
@@ -42,6 +46,11 @@ class Fix:
     remove_when: str
     checked_on: tuple = ()
     notes: str = ""
+    fixed_in: str = ""
+
+    def fixed_upstream(self):
+        """Returns whether the installed `package` is at or after `fixed_in` (then the fix is not needed)."""
+        return bool(self.fixed_in) and versions.in_range(self.package, f">={self.fixed_in}")
 
     def applies_to_installed(self):
         """Returns whether the installed `package` version is in `verified` (pre-releases included: `versions.in_range`)."""
@@ -352,6 +361,7 @@ FIXES = {
             checked_on=("3.10.0", "3.13.2"),
             notes="Keras 3.14 divides by the batch size: on 3.15.1 and keras-nightly 3.16.0.dev2026102704 the bug is absent (the without-the-fix test is skipped) and the with-the-fix test passes with the fix off.",
             remove_when="Keras 3.14 divides by the batch size: remove when 3.14 is the minimum supported",
+            fixed_in="3.14",
         ),
         Fix(
             name="empty_batch_convolution",

@@ -224,6 +224,24 @@ def test_verified_versions_do_not_warn(fake_versions):
         _compat.warn_if_unverified()
 
 
+def test_a_fix_whose_bug_is_fixed_upstream_is_off_without_a_warning(fake_versions):
+    # Keras 3.15 has no summed_activity_regularization bug (fixed in 3.14): off, and nothing to warn about.
+    fake_versions("keras", "3.15.1")
+    assert not _compat.is_active("summed_activity_regularization")
+    assert "summed_activity_regularization" not in {fix.name for fix in _compat.unverified_fixes()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compat.warn_if_unverified()
+    fake_versions("keras", "3.13.2")  # Before the upstream fix: in its verified range, on.
+    assert _compat.is_active("summed_activity_regularization")
+
+
+def test_fixed_in_is_outside_the_verified_range():
+    for fix in _compat.FIXES.values():
+        if fix.fixed_in:
+            assert not SpecifierSet(fix.verified).contains(fix.fixed_in, prereleases=True), fix.name
+
+
 def test_forced_fixes_do_not_warn(fake_versions, monkeypatch):
     fake_versions("keras", "3.16.0")
     monkeypatch.setenv(keras_fixes.FORCE_ENV, "all")
