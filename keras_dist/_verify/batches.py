@@ -1,15 +1,21 @@
 """The global batches `verify` trains on: taken once from the user's data, the same on every worker.
 
-Each batch is a tuple `(x,)`, `(x, y)` or `(x, y, sample_weight)` as `fit`
-unpacks it; both runs train on `dataset(batches)`, which yields them in order.
+Each batch is what `fit` hands `train_step`: Keras' own data adapter
+(`keras_internals.get_data_adapter`, the one `fit` builds) turns the input into
+its `tf.data.Dataset`, and its first `steps` elements are kept as they are
+(a bare `x` for arrays or a dataset of tensors, `(x,)` for a dataset of
+1-tuples or a `PyDataset` of arrays, `(x, y)`, `(x, y, sample_weight)`, dicts);
+both runs train on `dataset(batches)`, which yields them in order.
 """
 
 import hashlib
+import itertools
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist._runtime import keras_internals as ki
 from keras_dist.data import _creator
 from keras_dist.data import _inputs as data_inputs
 from keras_dist.strategy import _plan
@@ -18,7 +24,7 @@ _KERAS_DEFAULT_BATCH_SIZE = 32
 
 
 def global_batches(model, x, y, sample_weight, batch_size, steps):
-    """Returns the first `steps` global batches of the input (fewer when it has fewer).
+    """Returns the first `steps` global batches of the input (fewer when it has fewer), as `fit` yields them.
 
     Raises:
         TypeError: `x` is a `DatasetCreator`.
@@ -38,49 +44,51 @@ def global_batches(model, x, y, sample_weight, batch_size, steps):
             "`y` and `sample_weight` go with array inputs; a dataset, PyDataset or generator yields them "
             f"in its batches. Received: x of type {type(x).__name__} and y or sample_weight. Fix: drop them."
         )
+    kind = type(x).__name__
     if isinstance(x, tf.data.Dataset):
-        dataset = data_inputs.prepare(x, strategy=model._distribute_strategy, model=model, batch_size=batch_size)
-        batches = [_as_tuples(b) for b in dataset.take(steps)]
-    elif isinstance(x, keras.utils.PyDataset):
+        x = data_inputs.prepare(x, strategy=model._distribute_strategy, model=model, batch_size=batch_size)
+    elif isinstance(x, keras.utils.PyDataset):  # Its first batches only: no workers, no epoch hooks.
         count = x.num_batches
-        batches = [_as_tuples(x[i]) for i in range(steps if count is None else min(steps, count))]
-    elif hasattr(x, "__next__"):
-        batches = []
-        for batch in x:
-            batches.append(_as_tuples(batch))
-            if len(batches) == steps:
-                break
+        x = _FirstBatches([x[i] for i in range(steps if count is None else min(steps, count))])
+    elif hasattr(x, "__next__"):  # Consumed: `steps` batches taken, the rest left.
+        x = (batch for batch in list(itertools.islice(x, steps)))
     else:
-        batches = _array_batches(x, y, sample_weight, batch_size or _KERAS_DEFAULT_BATCH_SIZE, steps)
-    batches = [b if isinstance(b, tuple) else (b,) for b in batches]
+        if sample_weight is not None and y is None:
+            raise ValueError("`sample_weight` needs `y`. Received: y=None with sample_weight. Fix: pass y too.")
+        batch_size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"`batch_size` must be an integer >= 1. Received: batch_size={batch_size!r}.")
+    batches = _first_elements(x, y, sample_weight, batch_size, steps)
     if not batches or not batch_length(batches[0]):
         raise ValueError(
-            f"`verify` found no batch to train on in x (a {type(x).__name__}). Fix: pass data with at least one example."
+            f"`verify` found no batch to train on in x (a {kind}). Fix: pass data with at least one example."
         )
     return batches
 
 
-def _array_batches(x, y, sample_weight, batch_size, steps):
-    if sample_weight is not None and y is None:
-        raise ValueError("`sample_weight` needs `y`. Received: y=None with sample_weight. Fix: pass y too.")
-    if not (isinstance(batch_size, int) and batch_size >= 1):
-        raise ValueError(f"`batch_size` must be an integer >= 1. Received: batch_size={batch_size!r}.")
-    parts = tuple(_as_tuples(p) for p in (x, y, sample_weight) if p is not None)
-    leaves = keras.tree.flatten(parts)
-    num_examples = len(leaves[0]) if leaves else 0
-    return [
-        keras.tree.map_structure(lambda a, s=start: np.asarray(a)[s : s + batch_size], parts)
-        for start in range(0, min(num_examples, steps * batch_size), batch_size)
-    ]
+def _first_elements(x, y, sample_weight, batch_size, steps):
+    """The first `steps` elements of the `tf.data.Dataset` Keras' `fit` builds from the input (unshuffled)."""
+    try:
+        dataset = ki.get_data_adapter(x, y, sample_weight=sample_weight, batch_size=batch_size).get_tf_dataset()
+    except ValueError as error:  # An empty generator or PyDataset: said below, as for the other inputs.
+        if "empty generator" in str(error) or "length 0" in str(error):
+            return []
+        raise
+    return list(dataset.take(steps))
 
 
-def _as_tuples(value):
-    """Lists become tuples (tf.data would stack a list of arrays into one tensor), recursively."""
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return tuple(_as_tuples(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _as_tuples(v) for k, v in value.items()}
-    return value
+class _FirstBatches(keras.utils.PyDataset):
+    """The first batches of a user's `PyDataset`, as it returned them (Keras' adapter standardizes them as in `fit`)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self._batches = batches
+
+    def __len__(self):
+        return len(self._batches)
+
+    def __getitem__(self, index):
+        return self._batches[index]
 
 
 def batch_length(batch):

@@ -174,6 +174,163 @@ def test_gan_with_two_optimizers_in_attributes_passes_and_they_stay_unbuilt(mirr
     assert model.train_function is None
 
 
+def _images_only_gan(strategy):
+    """keras.io's DCGAN (`train_step(self, real_images)`, a dataset of images only, no labels).
+
+    keras.io draws the latent vectors with `keras.random.normal`; here they are the first two
+    pixels of each image, so that one device and 2 replicas see the same numbers.
+    """
+
+    class GAN(keras_dist.DistributedModel):
+        def __init__(self, discriminator, generator):
+            super().__init__(strategy=strategy)
+            self.discriminator, self.generator = discriminator, generator
+            self.d_loss_metric = keras.metrics.Mean(name="d_loss")
+            self.g_loss_metric = keras.metrics.Mean(name="g_loss")
+
+        def compile(self, d_optimizer, g_optimizer, loss_fn):
+            super().compile()
+            self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+
+        @property
+        def metrics(self):
+            return [self.d_loss_metric, self.g_loss_metric]
+
+        def train_step(self, real_images):
+            batch_size = ops.shape(real_images)[0]
+            latent = real_images[:, :2] * 2.0 - 1.0  # keras.io: keras.random.normal((batch_size, latent_dim), ...)
+            generated_images = self.generator(latent)
+            combined_images = ops.concatenate([generated_images, real_images], axis=0)
+            labels = ops.concatenate([ops.ones((batch_size, 1)), ops.zeros((batch_size, 1))], axis=0)
+            with tf.GradientTape() as tape:
+                d_loss = self.loss_fn(labels, self.discriminator(combined_images))
+            grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+            self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+            misleading_labels = ops.zeros((batch_size, 1))
+            with tf.GradientTape() as tape:
+                g_loss = self.loss_fn(misleading_labels, self.discriminator(self.generator(latent)))
+            grads = tape.gradient(g_loss, self.generator.trainable_weights)
+            self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+            self.d_loss_metric.update_state(d_loss)
+            self.g_loss_metric.update_state(g_loss)
+            return {"d_loss": self.d_loss_metric.result(), "g_loss": self.g_loss_metric.result()}
+
+    discriminator = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(4), keras.layers.LeakyReLU(0.2), keras.layers.Dense(1)],
+        name="discriminator",
+    )
+    generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(6, activation="tanh")], name="generator")
+    gan = GAN(discriminator, generator)
+    gan.compile(
+        d_optimizer=keras.optimizers.Adam(3e-3),
+        g_optimizer=keras.optimizers.Adam(3e-3),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+    return gan
+
+
+def test_keras_io_dcgan_on_images_only_passes_after_fit(mirrored_1x2_cpu):
+    """`fit` hands `train_step` the bare images; `verify` must too (not a 1-tuple), from a dataset or arrays."""
+    images, _ = _data()
+    model = _images_only_gan(mirrored_1x2_cpu)
+    dataset = tf.data.Dataset.from_tensor_slices(images).batch(GLOBAL_BATCH)
+    model.fit(dataset, epochs=1, verbose=0)
+    report = keras_dist.verify(model, dataset, steps=2)
+    assert report.passed, str(report)
+    assert set(report.logs[0]) == {"d_loss", "g_loss"}
+    assert keras_dist.verify(model, images, batch_size=GLOBAL_BATCH, steps=2).passed
+
+
+def _structure(data):
+    """What `train_step` received, as a nest of names: `"tensor"`, `("tuple", (...))`, `{"a": ...}`."""
+    if isinstance(data, dict):
+        return {key: _structure(value) for key, value in data.items()}
+    if isinstance(data, (tuple, list)):
+        return type(data).__name__, tuple(_structure(d) for d in data)
+    return "tensor"
+
+
+_SEEN = []  # Not an attribute of the model: `verify` puts those back as they were.
+
+
+class RecordingModel(keras_dist.DistributedModel):
+    """Records the structure of every batch `train_step` is traced with (in `_SEEN`); trains on its own loss."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.dense(x["a"] + x["b"] if isinstance(x, dict) else x)
+
+    def train_step(self, data):
+        _SEEN.append(repr(_structure(data)))
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            error = ops.square(self(x, training=True) - (0.0 if y is None else y))
+            loss = ops.mean(error if sample_weight is None else error * ops.expand_dims(sample_weight, -1))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return {"l": loss}
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+
+def _data_forms():
+    """`(name, arguments of fit and verify)` for every form of data `fit` accepts (a fresh generator each call)."""
+    rs = np.random.RandomState(5)
+    x, y, w = rs.rand(48, 4).astype("float32"), rs.rand(48, 4).astype("float32"), rs.rand(48).astype("float32")
+    d = {"a": x, "b": y}
+    slices, b = tf.data.Dataset.from_tensor_slices, GLOBAL_BATCH
+    return {
+        "arrays_x": lambda: ((x,), {"batch_size": b}),
+        "arrays_x_y": lambda: ((x, y), {"batch_size": b}),
+        "arrays_x_y_weights": lambda: ((x, y), {"batch_size": b, "sample_weight": w}),
+        "arrays_dict_x_y": lambda: ((d, y), {"batch_size": b}),
+        "arrays_dict_x": lambda: ((d,), {"batch_size": b}),
+        "dataset_of_tensors": lambda: ((slices(x).batch(b),), {}),
+        "dataset_of_1_tuples": lambda: ((slices((x,)).batch(b),), {}),
+        "dataset_x_y": lambda: ((slices((x, y)).batch(b),), {}),
+        "dataset_x_y_weights": lambda: ((slices((x, y, w)).batch(b),), {}),
+        "dataset_of_dicts": lambda: ((slices(d).batch(b),), {}),
+        "dataset_dict_x_y": lambda: ((slices((d, y)).batch(b),), {}),
+        "generator_of_1_tuples": lambda: ((((x[i : i + b],) for i in range(0, 48, b)),), {}),
+        "generator_x_y": lambda: ((((x[i : i + b], y[i : i + b]) for i in range(0, 48, b)),), {}),
+        "py_dataset_of_arrays": lambda: ((_Batches([x[i : i + b] for i in range(0, 48, b)]),), {}),
+        "py_dataset_of_lists": lambda: ((_Batches([[x[i : i + b], y[i : i + b]] for i in range(0, 48, b)]),), {}),
+    }
+
+
+@pytest.mark.parametrize("form", list(_data_forms()))
+def test_train_step_gets_what_fit_gives_it_for_every_form_of_data(mirrored_1x2_cpu, form):
+    """Keras hands `train_step` a bare `x` for arrays and a dataset of tensors, `(x,)` for a dataset of
+    1-tuples and a PyDataset of arrays, dicts as they are: `verify` hands it the same, in both runs."""
+    make = _data_forms()[form]
+    model = RecordingModel(strategy=mirrored_1x2_cpu)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    args, kwargs = make()
+    _SEEN.clear()
+    model.fit(*args, **kwargs, epochs=1, verbose=0, shuffle=False)
+    from_fit = set(_SEEN)
+    assert len(from_fit) == 1, from_fit
+    _SEEN.clear()
+    args, kwargs = make()
+    report = keras_dist.verify(model, *args, steps=2, **kwargs)
+    assert set(_SEEN) == from_fit, form
+    assert report.passed, str(report)
+    assert report.global_batch_sizes == (16, 16)
+
+
 # ------------------------------------------------------------------ models that do not, and why
 
 
