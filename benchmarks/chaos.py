@@ -2,13 +2,14 @@
 
 A reliability run, not a speed benchmark: it prints what happened and writes
 JSON (`--json`). It trains `benchmarks/chaos_worker.py` (a small model with
-BatchNormalization and Adam, `BackupAndRestore(save_freq=3)`) twice with
+synchronized BatchNormalization and Adam, `BackupAndRestore(save_freq=3,
+double_checkpoint=True)`) twice with
 `keras-dist launch --num-workers W`:
 
   reference  uninterrupted
   chaos      with one fault per start of the workers, drawn from `--seed`:
              SIGKILL, SIGTERM (a preemption notice), SIGSTOP (a frozen
-             worker, caught by the stall watchdog, `--stall-timeout 5`), a
+             worker, caught by the stall watchdog, `--stall-timeout 15`), a
              backup file cut in half, a save that runs out of space
              (RLIMIT_FSIZE); `--max-restarts` = faults + 1
 
@@ -39,6 +40,7 @@ WORKER = os.path.join(HERE, "chaos_worker.py")
 KINDS = ("sigkill", "sigterm", "sigstop", "corrupt_backup", "disk_full")
 EXAMPLES, BATCH_SIZE, SAVE_FREQ = 192, 16, 3  # 12 steps per epoch.
 TOLERANCE = 1e-5
+STALL_TIMEOUT = 15  # Seconds: `keras-dist launch --stall-timeout`.
 
 
 def make_plan(faults, seed, workers, kinds=KINDS, epochs=None):
@@ -54,14 +56,18 @@ def make_plan(faults, seed, workers, kinds=KINDS, epochs=None):
     Returns:
         Dict: examples, batch_size, save_freq, epochs and faults (each with
         attempt, kind, slot, after_steps: steps of that start before it).
+        A `disk_full` fault hits slot 0: the chief writes every backup, so a
+        file-size limit elsewhere would only hit this script's result file.
     """
     rng = random.Random(seed)
     order = [kinds[i % len(kinds)] for i in range(faults)]
     rng.shuffle(order)
-    schedule = [
-        {"attempt": i, "kind": kind, "slot": rng.randrange(workers), "after_steps": rng.randint(SAVE_FREQ + 1, 8)}
-        for i, kind in enumerate(order)
-    ]
+    schedule = []
+    for i, kind in enumerate(order):
+        slot, after_steps = rng.randrange(workers), rng.randint(SAVE_FREQ + 1, 8)
+        if kind == "disk_full":
+            slot = 0  # The chief (worker 0 at every start of a fixed launch) writes every backup.
+        schedule.append({"attempt": i, "kind": kind, "slot": slot, "after_steps": after_steps})
     steps_per_epoch = EXAMPLES // BATCH_SIZE
     if epochs is None:  # Each start gains at most 8 steps: leave room for every fault and some after.
         epochs = max(3, math.ceil((8 * faults + steps_per_epoch) / steps_per_epoch))
@@ -84,12 +90,17 @@ def launch(plan, out_dir, workers, max_restarts, timeout, min_workers=None):
         json.dump(plan, f, indent=1)
     env = clean_env(KERAS_DIST_QUIET="1", TF_CPP_MIN_LOG_LEVEL="3")
     options = ["--num-workers", str(workers), "--max-restarts", str(max_restarts)]
-    options += ["--stall-timeout", "5", "--grace-period", "3"]
+    # 15 s: a frozen worker is caught quickly, while a worker that is only slow at an epoch boundary on a
+    # busy machine (a new input iterator took over 5 s there, with 3 processes on 2 cores) is not flagged.
+    options += ["--stall-timeout", str(STALL_TIMEOUT), "--grace-period", "3"]
     if min_workers is not None:
         options += ["--min-workers", str(min_workers)]
     start = time.monotonic()
     result = run_launcher([*options, WORKER, out_dir, plan_path], env=env, timeout=timeout)
-    return result, time.monotonic() - start
+    seconds = time.monotonic() - start
+    with open(os.path.join(out_dir, "launcher.log"), "w") as f:  # The workers' output, then the launcher's.
+        f.write(result.stdout + "\n" + result.stderr)
+    return result, seconds
 
 
 def read_result(out_dir, workers):

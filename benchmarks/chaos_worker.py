@@ -2,7 +2,7 @@
 
 Usage: chaos_worker.py OUT_DIR PLAN_JSON
 
-Trains a small regression model with BatchNormalization and Adam, the way a
+Trains a small regression model with (synchronized) BatchNormalization and Adam, the way a
 keras.io script does (`DistributedModel`, `compile`, `fit` with a
 `BackupAndRestore(save_freq=...)`), on fixed data in a fixed order. The plan
 says the data size, the epochs, and the faults: at most one per start of the
@@ -96,14 +96,17 @@ def main(out_dir, plan_path):
     y = (x @ rng.rand(8, 1) + 0.1 * rng.rand(plan["examples"], 1)).astype("float32")
     keras.utils.set_random_seed(1)  # The same initial weights on every start (the backup replaces them).
     inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu", kernel_initializer="glorot_uniform")(inputs)
-    hidden = keras.layers.BatchNormalization()(hidden)
-    outputs = keras.layers.Dense(1)(hidden)
+    # No bias before BatchNormalization (it would only be cancelled), and the statistics of the global
+    # batch (synchronized), so that a run with fewer workers (an elastic launch) trains alike.
+    hidden = keras.layers.Dense(16, use_bias=False)(inputs)
+    hidden = keras.layers.BatchNormalization(synchronized=True)(hidden)
+    outputs = keras.layers.Dense(1)(keras.layers.Activation("relu")(hidden))
     model = keras_dist.DistributedModel(inputs, outputs)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
     backup_dir = os.path.join(out_dir, "backup")
     callbacks = [
-        keras.callbacks.BackupAndRestore(backup_dir, save_freq=plan["save_freq"]),
+        # double_checkpoint: keep the previous backup too, so that a damaged newest one falls back to it.
+        keras.callbacks.BackupAndRestore(backup_dir, save_freq=plan["save_freq"], double_checkpoint=True),
         Faults(out_dir, backup_dir, fault, attempt, slot),
     ]
     model.fit(x, y, batch_size=plan["batch_size"], epochs=plan["epochs"], shuffle=False, verbose=0, callbacks=callbacks)
