@@ -133,6 +133,19 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="symbolic_build_without_targets",
+            package="keras",
+            verified=">=3.10,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/trainers/trainer.py (_symbolic_build: compute_loss with the batch's y, None without targets; one device defers; no upstream report found)",
+            symptom="Under a strategy, fit on inputs only (no y) of a model compiled with a loss whose own "
+            "train_step computes its own loss fails before training: 'None values not supported.' (on one "
+            "device Keras builds the compiled loss only when compute_loss is called).",
+            remedy="Without targets in the batches the pre-build builds the model and optimizer, not the "
+            "compiled loss and metrics: they build when first called, as on one device.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1"),
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="build_without_call",
             package="keras",
             verified=">=3.10,<3.16",

@@ -91,7 +91,10 @@ def build(model, iterator=None, data_batch=None):
             data_batch = ki.dataset_element_spec(iterator)
         with _build_context(model):
             symbolic_build.symbolic_build_from_spec(
-                model, data_batch, composite_inputs=_compat.is_active("ragged_symbolic_build")
+                model,
+                data_batch,
+                composite_inputs=_compat.is_active("ragged_symbolic_build"),
+                defer_without_targets=_compat.is_active("symbolic_build_without_targets"),
             )
     distribute_state(model)
 

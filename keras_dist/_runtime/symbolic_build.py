@@ -3,8 +3,11 @@
 From a batch's element spec (one replica's spec of a distributed dataset, no
 batch taken from the iterator), on ragged or sparse placeholders where the
 inputs are ragged or sparse, or, for a model without `call` (a GAN that trains
-through its own `train_step`), what can be built without tracing.
+through its own `train_step`), what can be built without tracing. Data without
+targets builds no compiled loss or metrics (`targets_deferred`).
 """
+
+import contextlib
 
 import keras
 import tensorflow as tf
@@ -38,7 +41,7 @@ def build_without_call(model):
         model.optimizer.build(model.trainable_variables)
 
 
-def symbolic_build_from_spec(model, element_spec, *, composite_inputs=False):
+def symbolic_build_from_spec(model, element_spec, *, composite_inputs=False, defer_without_targets=False):
     """Builds model, metric and optimizer state from a batch's element spec.
 
     Args:
@@ -47,11 +50,42 @@ def symbolic_build_from_spec(model, element_spec, *, composite_inputs=False):
         composite_inputs: Boolean, trace `call` on ragged/sparse placeholders where
             the inputs are ragged/sparse (`build_context.build_from_composite_spec`)
             instead of Keras' dense ones.
+        defer_without_targets: Boolean, build no compiled loss or metrics when
+            the batches have no targets (`targets_deferred`).
     """
     spec = tf.nest.map_structure(_one_replica_spec, element_spec, expand_composites=False)
-    if composite_inputs and build_context.has_composite_inputs(spec):
-        return build_context.build_from_composite_spec(model, spec)
-    model._symbolic_build(data_batch=spec)
+    deferred = targets_deferred(model) if defer_without_targets and not has_targets(spec) else contextlib.nullcontext()
+    with deferred:
+        if composite_inputs and build_context.has_composite_inputs(spec):
+            return build_context.build_from_composite_spec(model, spec)
+        model._symbolic_build(data_batch=spec)
+
+
+def has_targets(data_spec):
+    """Returns whether a batch's spec (`x`, `(x,)`, `(x, y)`, `(x, y, sample_weight)`) has a `y`."""
+    _, y, _ = ki.unpack_x_y_sample_weight(data_spec)
+    return y is not None
+
+
+@contextlib.contextmanager
+def targets_deferred(model):
+    """Hides the compiled loss and metrics from Keras' pre-build, which would build them from `y=None`.
+
+    On one device Keras builds them only when `compute_loss` / `compute_metrics`
+    is first called (a `train_step` of one's own on inputs only may never call
+    them, or call them with targets it makes, an autoencoder's `y=x`); under a
+    strategy its `_symbolic_build` calls both with the batch's `y`, and with none
+    fails: 'None values not supported.' They build as on one device instead. The
+    attributes are set past Keras' tracking (`object.__setattr__`), which keeps them.
+    """
+    hidden = {name: getattr(model, name, None) for name in ("_compile_loss", "_compile_metrics")}
+    for name in hidden:
+        object.__setattr__(model, name, None)
+    try:
+        yield
+    finally:
+        for name, value in hidden.items():
+            object.__setattr__(model, name, value)
 
 
 def _one_replica_spec(spec):
