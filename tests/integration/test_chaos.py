@@ -34,9 +34,29 @@ def test_schedule_is_seeded_and_uses_every_kind():
 @pytest.mark.timeout(600)
 def test_three_faults_end_with_the_uninterrupted_weights(tmp_path):
     chaos = _chaos()
-    report = chaos.run(faults=3, seed=0, workers=2, kinds=("sigkill", "sigterm", "sigstop"), out_dir=str(tmp_path))
+    # A crash, a backup cut in half (the resume falls back to the previous one) and a save out of space;
+    # SIGTERM and SIGSTOP have their own tests (test_resume_multi_worker.py, test_stall_watchdog.py).
+    kinds = ("sigkill", "corrupt_backup", "disk_full")
+    report = chaos.run(faults=3, seed=0, workers=2, kinds=kinds, out_dir=str(tmp_path))
     chaos.print_report(report)
     summary = {k: v for k, v in report.items() if k != "launcher_stderr"}
     assert report["injected"] == 3, (summary, report["launcher_stderr"][-3000:])
     assert report["launcher_status"] == 0 and report["same_steps"], (summary, report["launcher_stderr"][-3000:])
     assert report["max_weight_difference"] <= chaos.TOLERANCE, summary
+
+
+@pytest.mark.timeout(600)
+def test_an_elastic_launch_drops_a_worker_that_keeps_dying_and_ends_with_the_uninterrupted_weights(tmp_path):
+    # Worker slot 1 SIGKILLs itself 4 steps into every start. `--max-restarts 1 --min-workers 1`: after its
+    # second death it is dropped, and worker 0 alone resumes from the last backup (2 workers -> 1, the same
+    # global batch) and must end where the uninterrupted 2-worker run ends.
+    chaos = _chaos()
+    plan = chaos.make_plan(0, seed=0, workers=2)
+    plan["faults"] = [{"attempt": "every", "kind": "sigkill", "slot": 1, "after_steps": 4}]
+    report = chaos.run(workers=2, out_dir=str(tmp_path), plan=plan, max_restarts=1, min_workers=1)
+    chaos.print_report(report)
+    summary = {k: v for k, v in report.items() if k != "launcher_stderr"}
+    stderr = report["launcher_stderr"]
+    assert "worker slot 1 failed 2 times (its 1 restart is used up): continuing with 1 worker instead of 2" in stderr
+    assert report["launcher_status"] == 0 and report["finished_workers"] == 1, (summary, stderr[-3000:])
+    assert report["same_steps"] and report["max_weight_difference"] <= chaos.TOLERANCE, summary
