@@ -175,6 +175,12 @@ def script(tmp_path):
         (["--collective-timeout", "nan"], r"Received: --collective-timeout=nan"),
         (["--grace-period", "-1"], r"`--grace-period` must be a finite number of seconds >= 0"),
         (["--num-workers", "two"], r"argument --num-workers: invalid int value: 'two'"),
+        (
+            ["--num-workers", "2", "--min-workers", "3"],
+            r"`--min-workers` must be from 1 to the number of workers \(2\)",
+        ),
+        (["--min-workers", "0"], r"Received: --min-workers=0"),
+        (["--workers", "a:1,b:2", "--task-index", "0", "--min-workers", "1"], r"applies to a local launch"),
     ],
 )
 def test_launch_argument_errors_exit_2_before_starting(options, match, script, capsys):
