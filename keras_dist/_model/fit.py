@@ -46,7 +46,7 @@ def fit(model, keras_fit, args, kwargs):
         if backups:
             x, steps_per_epoch = arguments.get("x"), arguments.get("steps_per_epoch")
             can_skip = callbacks_resume.epoch_length_is_known(x, steps_per_epoch)
-            batch_size = callbacks_resume.arrays_batch_size(x, arguments.get("batch_size"))
+            batch_size = data_inputs.array_batch_size(x, arguments.get("batch_size"))
             stack.enter_context(callbacks_resume.skipping_resumed_steps(model, resume_point, can_skip, batch_size))
             stack.enter_context(callbacks_resume.catching_sigterm())
         history = keras_fit(**workers.chief_only_verbosity(model, arguments))

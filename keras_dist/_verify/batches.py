@@ -20,8 +20,6 @@ from keras_dist.data import _creator
 from keras_dist.data import _inputs as data_inputs
 from keras_dist.strategy import _plan
 
-_KERAS_DEFAULT_BATCH_SIZE = 32
-
 
 def global_batches(model, x, y, sample_weight, batch_size, steps):
     """Returns the first `steps` global batches of the input (fewer when it has fewer), as `fit` yields them.
@@ -55,7 +53,7 @@ def global_batches(model, x, y, sample_weight, batch_size, steps):
     else:
         if sample_weight is not None and y is None:
             raise ValueError("`sample_weight` needs `y`. Received: y=None with sample_weight. Fix: pass y too.")
-        batch_size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+        batch_size = data_inputs.KERAS_ARRAY_BATCH_SIZE if batch_size is None else batch_size
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"`batch_size` must be an integer >= 1. Received: batch_size={batch_size!r}.")
     batches = _first_elements(x, y, sample_weight, batch_size, steps)

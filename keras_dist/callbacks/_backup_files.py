@@ -91,6 +91,10 @@ def file_sha256(path):
     return digest.hexdigest()
 
 
+class NoRoomError(OSError):
+    """`check_room`'s error: no room for the next backup (its message already names the path and the fix)."""
+
+
 def check_room(backup, model):
     """Raises before a save when `backup_dir` has no room for the new weights; the chief only.
 
@@ -101,7 +105,7 @@ def check_room(backup, model):
     process's file-size limit (`ulimit -f`). Remote file systems are not checked.
 
     Raises:
-        OSError: Less room than that; it names the directory, the sizes and the fix.
+        NoRoomError (an `OSError`): Less room than that; it names the directory, the sizes and the fix.
     """
     directory = os.fspath(backup.backup_dir)
     if not os.path.isdir(directory):
@@ -115,13 +119,13 @@ def check_room(backup, model):
     free = shutil.disk_usage(directory).free
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource is not None else -1
     if limit not in (-1, getattr(resource, "RLIM_INFINITY", -1)) and limit < needed:
-        raise OSError(
+        raise NoRoomError(
             f"BackupAndRestore cannot write its next backup in {directory!r}: the weights file needs about "
             f"{needed} bytes, but this process's file-size limit (ulimit -f, RLIMIT_FSIZE) is {limit} bytes. "
             f"{kept(backup)} Fix: raise the limit (`ulimit -f unlimited`), or pass another `backup_dir`."
         )
     if free < needed:
-        raise OSError(
+        raise NoRoomError(
             f"BackupAndRestore cannot write its next backup in {directory!r}: the weights file needs about "
             f"{needed} bytes and the disk has {free} bytes free. {kept(backup)} Expected: room for a second "
             "copy of the weights while a save runs. Fix: free disk space there, or pass another `backup_dir` "

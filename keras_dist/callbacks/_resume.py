@@ -115,13 +115,6 @@ class ResumePoint:
         return point
 
 
-def arrays_batch_size(x, batch_size):
-    """Returns the global batch size Keras batches `fit`'s `x` by when it is arrays (`batch_size` or 32), else `None`."""
-    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or hasattr(x, "__next__"):
-        return None
-    return batch_size or 32  # Keras' default for arrays.
-
-
 def epoch_length_is_known(x, steps_per_epoch=None):
     """True when Keras knows `fit`'s epoch length from `x` itself, so skipping batches shortens the epoch.
 
@@ -381,9 +374,9 @@ def _naming_a_failed_save(backup):
     """Turns a write error of a save (a full disk, a file-size limit) into one that names the path and the fix."""
     try:
         yield
+    except backup_files.NoRoomError:
+        raise  # Already names the path and the fix.
     except (OSError, tf.errors.OpError) as e:
-        if str(e).startswith("BackupAndRestore"):  # `check_room`'s, already complete.
-            raise
         directory = os.fspath(backup.backup_dir)
         raise OSError(
             f"BackupAndRestore could not write its backup in {directory!r}: {e}. {backup_files.kept(backup)} "

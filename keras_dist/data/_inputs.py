@@ -176,9 +176,22 @@ def distributing_inputs(model, usages, arguments):
         yield
 
 
+KERAS_ARRAY_BATCH_SIZE = 32  # What Keras batches arrays by when `batch_size` is None.
+
+
+def array_batch_size(x, batch_size):
+    """Returns the global batch size Keras batches `x` by when it is arrays (`batch_size` or 32), else `None`.
+
+    Args:
+        x: `fit`'s `x` (arrays, a dict/list of them, a `tf.data.Dataset`, a
+            `keras.utils.PyDataset`, a generator).
+        batch_size: Integer or `None`, the `batch_size` passed with it.
+    """
+    return None if _is_dataset(x) else (batch_size or KERAS_ARRAY_BATCH_SIZE)
+
+
 def _inputs_keras_distributes(usages, arguments):
     """Yields `(usage, source, batch_size)` for each input Keras will distribute, in order."""
-    keras_default_batch_size = 32  # What Keras batches arrays by when `batch_size` is None.
     x = arguments.get("x")
     validation = arguments.get("validation_data")
     if validation is None and arguments.get("validation_split"):
@@ -192,7 +205,7 @@ def _inputs_keras_distributes(usages, arguments):
             source = source[0]
         if source is None or _distribute.is_distributed(source):
             continue
-        yield usage, source, None if _is_dataset(source) else (batch_size or keras_default_batch_size)
+        yield usage, source, array_batch_size(source, batch_size)
 
 
 def _is_dataset(x):
