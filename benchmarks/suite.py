@@ -42,6 +42,7 @@ launcher to keras-dist and by the worker script to the others).
     python benchmarks/suite.py [--workloads mlp,cnn] [--topologies 1x1,1x2,2x1,2x2]
         [--systems keras_dist,keras,keras_loop,tf_keras,jax] [--steps 8] [--epochs 2]
         [--repeats 2] [--json out.json]
+    python benchmarks/suite.py --quick     # checks that the suite works (about a minute; CI runs it)
 """
 
 import argparse
@@ -63,6 +64,24 @@ KERAS3_FIT_MULTI_WORKER = (
     "Keras 3.15 fit fails under MultiWorkerMirroredStrategy (ValueError: a PerReplica batch in "
     "_maybe_symbolic_build); see keras_loop"
 )
+
+
+FULL_DEFAULTS = {
+    "workloads": ("mlp", "cnn"),
+    "systems": ("keras_dist", "keras", "keras_loop", "tf_keras", "jax"),
+    "steps": 8,
+    "epochs": 2,
+    "repeats": 2,
+    "global_batch_size": 256,
+}
+# `--quick` (what CI runs, tests/unit/test_benchmarks.py): that every part works, not how fast.
+QUICK_DEFAULTS = {
+    **FULL_DEFAULTS,
+    "workloads": ("mlp",),
+    "topologies": ("1x1", "1x2"),
+    "systems": ("keras_dist", "keras"),
+}
+QUICK_DEFAULTS.update(steps=2, epochs=2, repeats=1, global_batch_size=32)
 
 
 def parse_topology(text):
@@ -127,7 +146,10 @@ def measure(system, topology, workload, args, tmp):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1", "SUITE_STARTED_AT": repr(time.time())}
     for name in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS", "KERAS_BACKEND", "XLA_FLAGS"):
         env.pop(name, None)
-    return run_measurement(command_for(system, topology, workload, args, out), env, out, args.timeout)[0]
+    load_average = os.getloadavg()[0]
+    result = run_measurement(command_for(system, topology, workload, args, out), env, out, args.timeout)[0]
+    result["load_average_before"] = load_average
+    return result
 
 
 def run_measurement(command, env, out, timeout, cwd=None):
@@ -149,7 +171,14 @@ def run_measurement(command, env, out, timeout, cwd=None):
 
 
 def summarize(runs, global_batch_size):
-    """Pools the timed epochs of all repeats: median step time, spread of the repeats' medians, startup."""
+    """Pools the timed epochs of all repeats: median step time, the spreads (repeats, epochs), startup.
+
+    `spread` is the range of the repeats' median step times over the median;
+    `epoch_spread` the range of every timed epoch's step time (all repeats)
+    over the median, which shows an unsteady step (some epochs twice as slow)
+    that a median hides. `load_averages`: the 1-minute load average before
+    each repeat's processes started.
+    """
     steps = [s for run in runs for s in run["step_seconds"]]
     medians = [statistics.median(run["step_seconds"]) for run in runs]
     median = statistics.median(steps)
@@ -157,6 +186,8 @@ def summarize(runs, global_batch_size):
         "median_step_seconds": median,
         "examples_per_second": global_batch_size / median,
         "spread": (max(medians) - min(medians)) / median if len(medians) > 1 else 0.0,
+        "epoch_spread": (max(steps) - min(steps)) / median if len(steps) > 1 else 0.0,
+        "load_averages": [run.get("load_average_before") for run in runs],
         "startup_seconds": statistics.median(run["startup_seconds"] for run in runs),
         "num_replicas_in_sync": runs[0]["num_replicas_in_sync"],
         "repeat_medians": medians,
@@ -225,11 +256,12 @@ def print_table(results, args):
     for workload in args.workloads:
         print(
             f"\n{workload}: global batch {args.global_batch_size}, {args.steps} steps x {args.epochs} timed epochs "
-            f"x {args.repeats} repeats (median step time; spread = range of the repeats' medians / median)"
+            f"x {args.repeats} repeats (median step time; spread = range of the repeats' medians / median; "
+            "epochs = range of every epoch's step time / median; load = 1-min load average before each repeat)"
         )
         print(
-            f"{'topology':<9}{'system':<23}{'ms/step':>9}{'examples/s':>12}{'spread':>8}{'vs own 1x1':>12}"
-            f"{'kd / this':>11}{'startup s':>11}{'kd startup / this':>19}"
+            f"{'topology':<9}{'system':<23}{'ms/step':>9}{'examples/s':>12}{'spread':>8}{'epochs':>8}"
+            f"{'vs own 1x1':>12}{'kd / this':>11}{'startup s':>11}{'kd startup / this':>19}"
         )
         for r in results:
             if r["workload"] != workload:
@@ -240,10 +272,13 @@ def print_table(results, args):
             ratio = lambda key, r=r: f"{r[key]:.2f}x" if key in r else "-"  # noqa: E731
             print(
                 f"{r['topology']:<9}{r['system']:<23}{r['median_step_seconds'] * 1e3:>9.2f}"
-                f"{r['examples_per_second']:>12,.0f}{r['spread'] * 100:>7.0f}%{ratio('vs_own_1x1'):>12}"
-                f"{ratio('keras_dist_over_system'):>11}{r['startup_seconds']:>11.1f}"
+                f"{r['examples_per_second']:>12,.0f}{r['spread'] * 100:>7.0f}%{r['epoch_spread'] * 100:>7.0f}%"
+                f"{ratio('vs_own_1x1'):>12}{ratio('keras_dist_over_system'):>11}{r['startup_seconds']:>11.1f}"
                 f"{ratio('keras_dist_startup_over_system'):>19}"
             )
+            epochs = " | ".join(" ".join(f"{s * 1e3:.1f}" for s in repeat) for repeat in r["step_seconds"])
+            loads = " ".join(f"{load:.2f}" for load in r["load_averages"] if load is not None)
+            print(f"{'':<9}  ms/step of each epoch, per repeat: {epochs}; load {loads}")
 
 
 def _gpus_present():
@@ -279,17 +314,25 @@ def _check_topologies(topologies):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", type=_csv(WORKLOADS), default=["mlp", "cnn"])
+    parser.add_argument("--workloads", type=_csv(WORKLOADS), default=None, help="default mlp,cnn")
     parser.add_argument(
         "--topologies", type=_csv(None), default=None, help="default 1x1,1x2,2x1,2x2 (and gpu when GPUs are present)"
     )
     parser.add_argument(
-        "--systems", type=_csv(SYSTEMS), default=["keras_dist", "keras", "keras_loop", "tf_keras", "jax"]
+        "--systems", type=_csv(SYSTEMS), default=None, help="default keras_dist,keras,keras_loop,tf_keras,jax"
     )
-    parser.add_argument("--steps", type=int, default=8, help="steps per timed epoch")
-    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per process (after 1 warm-up epoch)")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds over all systems")
-    parser.add_argument("--global-batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed epoch (default 8)")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="timed epochs per process, after 1 warm-up epoch (default 2)"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds over all systems (default 2)")
+    parser.add_argument("--global-batch-size", type=int, default=None, help="default 256")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="check that the suite works, in about a minute: defaults become mlp, 1x1,1x2, keras_dist,keras, "
+        "2 steps x 2 epochs x 1 repeat, global batch 32 (options given still apply); its figures mean nothing",
+    )
     parser.add_argument(
         "--threads-per-worker",
         type=int,
@@ -299,6 +342,10 @@ def main():
     parser.add_argument("--timeout", type=float, default=300, help="seconds per measurement")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, list(value) if isinstance(value, tuple) else value)
     if args.topologies is None:
         args.topologies = ["1x1", "1x2", "2x1", "2x2"] + (["gpu"] if _gpus_present() else [])
     _check_topologies(args.topologies)

@@ -59,6 +59,8 @@ if not _is_keras_dist_command():
 
     _join_cluster_at_import()
 
+    from keras_dist import ops  # noqa: F401  (keras_dist.ops, the submodule, as keras.ops)
+    from keras_dist._global_batch import global_batch
     from keras_dist._model import DistributedModel
     from keras_dist._runtime.devices import simulate_cpu_replicas
     from keras_dist._verify import VerifyReport, verify
@@ -86,6 +88,7 @@ __all__ = [
     "describe",
     "distribute",
     "distributed_optimizer",
+    "global_batch",
     "is_chief",
     "num_workers",
     "resolve_strategy",
@@ -102,6 +105,7 @@ _LAZY = {
     "DistributedModel": "keras_dist._model",
     "distribute": "keras_dist._wrap",
     "distributed_optimizer": "keras_dist.collectives",
+    "global_batch": "keras_dist._global_batch",
     "simulate_cpu_replicas": "keras_dist._runtime.devices",
     "VerifyReport": "keras_dist._verify",
     "verify": "keras_dist._verify",

@@ -17,6 +17,7 @@ the module of this package named after the job, passing Keras' own method
 - `step`: which train/test step runs, and what keras-dist's own is handed;
 - `user_step`: a step the user wrote, made exact for the global batch;
 - `metrics`: metric results from state summed over the replicas;
+- `coupling`: a compiled loss or metric that couples a batch's examples, named once;
 - `fit`: fit/evaluate/predict (callbacks, resume, SIGTERM, chief-only output);
 - `workers`: agreement between workers, chief-only output, lost workers named;
 - `saving`: save/save_weights/load_weights on the chief, atomically.
@@ -32,6 +33,7 @@ import tensorflow as tf
 from keras_dist import _compat, collectives
 from keras_dist._model import (
     construction,
+    coupling,
     metrics,
     monitoring,
     placement,
@@ -377,6 +379,7 @@ class DistributedModel(keras.Model):
     # ------------------------------------------------------ step functions, build
     def make_train_function(self, force: bool = False) -> Any:
         self._distribute_state()
+        coupling.check_once(self, own_step=not self._overrides("train_step"))
         if getattr(self, "optimizer", None) is not None:
             collectives_optimizer.prepare_gradient_accumulation(
                 self.optimizer, self._distribute_strategy, self.trainable_weights
@@ -395,6 +398,7 @@ class DistributedModel(keras.Model):
 
     def make_test_function(self, force: bool = False) -> Any:
         self._distribute_state()
+        coupling.check_once(self, own_step=not self._overrides("test_step"))
         if self.test_function is None or force:
             self.test_function = step_functions.make(self, self.test_step, user_written=self._overrides("test_step"))
         self.test_function = monitoring.tracked_function(self.test_function, "test")

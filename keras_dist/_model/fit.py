@@ -5,7 +5,9 @@ names a lost worker in the error (`workers.naming_lost_workers`) and prints on
 the chief only. `fit` also adapts the callbacks for several workers, records a
 `Timeline` when one is among them (or `KERAS_DIST_TIMELINE` asks), resumes a
 `BackupAndRestore` backup mid-epoch (skipping the steps already done), and on
-SIGTERM exits with status 75 once every worker saved one backup.
+SIGTERM exits with status 75 once every worker saved one backup. `fit` and
+`evaluate` also let the first step function check the compiled losses and
+metrics on their first global batch (`coupling`).
 """
 
 import contextlib
@@ -13,7 +15,7 @@ import contextlib
 import keras
 
 from keras_dist._compat import keras_fixes
-from keras_dist._model import monitoring, workers
+from keras_dist._model import coupling, monitoring, workers
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _resume as callbacks_resume
 from keras_dist.callbacks import _timeline as callbacks_timeline
@@ -43,6 +45,7 @@ def fit(model, keras_fit, args, kwargs):
         stack.enter_context(monitoring.tracking_call(model, "fit"))
         stack.enter_context(monitoring.tracking_callbacks(arguments["callbacks"]))
         stack.enter_context(data_inputs.distributing_inputs(model, ["fit", "validation"], arguments))
+        stack.enter_context(coupling.remembering_first_batch(model, arguments))
         if backups:
             x, steps_per_epoch = arguments.get("x"), arguments.get("steps_per_epoch")
             can_skip = callbacks_resume.epoch_length_is_known(x, steps_per_epoch)
@@ -69,6 +72,7 @@ def evaluate(model, keras_evaluate, args, kwargs):
         monitoring.tracking_call(model, "evaluate"),
         monitoring.tracking_callbacks(arguments.get("callbacks")),
         data_inputs.distributing_inputs(model, ["evaluate"], arguments),
+        coupling.remembering_first_batch(model, arguments),
     ):
         return keras_evaluate(**workers.chief_only_verbosity(model, arguments))
 

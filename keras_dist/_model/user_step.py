@@ -45,22 +45,43 @@ def _with_global_metric_results(model, logs):
     the replicas' results, which an uneven split makes differ from one
     device's. The metrics' state summed over the replicas (one all-reduce)
     gives one device's results; other values are left as they are.
+
+    A value under a metric's name that is not that metric's result stays the
+    step's value: TensorFlow Recommenders' step returns `{m.name: m.result()
+    for m in self.metrics}` and then overwrites `"loss"` (Keras' own loss
+    tracker, which such a step never updates) with its raw loss tensor. So
+    a value is replaced only where it equals the metric's result on this
+    replica (a run-time test: the same decision on every replica's trace,
+    one `merge_call` either way).
     """
     if not isinstance(logs, dict) or not _compat.is_active("cross_replica_metrics"):
         return logs
-    names = {m.name for m in model.metrics}
-    if not any(key in names for key in logs):
+    by_name = {m.name: m for m in model.metrics}
+    if not any(key in by_name for key in logs):
         return logs
     results = tf.distribute.get_replica_context().merge_call(model._metrics_result_from_summed_state)
     merged = dict(logs)
     for key, value in logs.items():
-        if key not in names:
+        if key not in by_name:
             continue
         if isinstance(value, dict):  # A metrics container (`compile_metrics`): one result per metric it holds.
             merged[key] = {name: results.get(name, part) for name, part in value.items()}
         elif key in results:
-            merged[key] = results[key]
+            merged[key] = _global_if_its_result(value, by_name[key], results[key])
     return merged
+
+
+def _global_if_its_result(value, metric, global_result):
+    """`global_result` where `value` equals `metric.result()` on this replica, else `value` (a tensor, as returned)."""
+    try:
+        value = tf.convert_to_tensor(value)
+        local = tf.convert_to_tensor(metric.result())
+    except (TypeError, ValueError):
+        return value  # Not a tensor: not a metric's result.
+    if value.dtype != local.dtype or not value.shape.is_compatible_with(local.shape):
+        return value
+    same = tf.reduce_all(tf.equal(value, local))
+    return tf.where(same, tf.cast(global_result, value.dtype), value)
 
 
 def compute_loss(model, keras_compute_loss, step):

@@ -26,7 +26,7 @@ from keras.src import backend
 from keras.src.losses import loss as keras_loss
 from keras.src.metrics import reduction_metrics
 
-from keras_dist._runtime import step_state
+from keras_dist._runtime import global_batch, step_state
 
 _ORIGINAL_UPDATE_STATE = reduction_metrics.MeanMetricWrapper.update_state
 _LOCK = threading.Lock()
@@ -48,7 +48,8 @@ def _update_state(self, y_true, y_pred, sample_weight=None):
         or type(self).update_state is not _update_state
     ):
         return _ORIGINAL_UPDATE_STATE(self, y_true, y_pred, sample_weight)
-    local = self._fn(y_true, y_pred, **self._fn_kwargs)  # Only its rank is used: pruned from the graph.
+    with global_batch.on_global_batch():  # A loss of `keras_dist.global_batch` as the function: no gather here.
+        local = self._fn(y_true, y_pred, **self._fn_kwargs)  # Only its rank is used: pruned from the graph.
     if tf.convert_to_tensor(local).shape.rank != 0:
         return _ORIGINAL_UPDATE_STATE(self, y_true, y_pred, sample_weight)
     mask = backend.get_keras_mask(y_pred)
@@ -63,7 +64,8 @@ def _update_state(self, y_true, y_pred, sample_weight=None):
     )
     if mask is not None:
         mask = gather(mask)
-    values = self._fn(y_true, y_pred, **self._fn_kwargs)
+    with global_batch.on_global_batch():
+        values = self._fn(y_true, y_pred, **self._fn_kwargs)
     sample_weight = keras_loss.apply_mask(sample_weight, mask, dtype=self.dtype, reduction="sum")
     share = tf.constant(1.0 / context.num_replicas_in_sync, self.dtype)
     sample_weight = share if sample_weight is None else tf.cast(sample_weight, self.dtype) * share

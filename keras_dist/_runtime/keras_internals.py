@@ -11,6 +11,7 @@ import contextlib
 import keras
 import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
@@ -24,6 +25,7 @@ TensorFlowTrainer = locations.tensorflow_trainer_class()  # Keras' TensorFlow tr
 
 __all__ = [
     "Functional",
+    "LossFunctionWrapper",
     "TensorFlowTrainer",
     "apply_once_in_cross_replica_context",
     "apply_without_merge_call",

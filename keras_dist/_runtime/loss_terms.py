@@ -284,6 +284,27 @@ def recording(model):
             _RECORDS[key] = previous
 
 
+@contextlib.contextmanager
+def counted_once():
+    """The terms recorded while the block runs were computed on the global batch: each counts once over the replicas.
+
+    Such a term (a loss wrapped in `keras_dist.global_batch`) has the same
+    value on every replica, whatever its reduction, mask or sample weights
+    (they were gathered with the batch). It becomes an `EXAMPLES` term:
+    each replica counts it by its example share, the shares summing to 1, so
+    the global batch's loss counts once in value and in gradient, in the
+    one-collective step as in the two-collective one.
+    """
+    record = _RECORDS.get(step_state.replica_key()) if step_state.current() is not None else None
+    start = len(record.terms) if record is not None else 0
+    try:
+        yield
+    finally:
+        if record is not None:
+            for term in record.terms[start:]:
+                term.kind, term.divisor, term.proportional = EXAMPLES, None, False
+
+
 def divisors_to_sum(record):
     """float32 vector: this replica's divisors of the terms not weighted by examples, in term order."""
     parts = [tf.reshape(t.divisor, [1]) for t in record.terms if t.kind == DIVISOR and not t.proportional]

@@ -16,8 +16,8 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from keras_dist._runtime import gather, loss_terms, step_state
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import loss_terms, step_state
 
 
 def train_step(model, data, *, options, forward_backward=None, ride_along=False, summed_metrics=None, marks=None):
@@ -188,7 +188,10 @@ def _global_loss(model, record, loss, num_examples, options):
 def observing_collectives(refusal=None):
     """Yields a list that records each collective this replica's `call` starts (its replica context's methods).
 
-    With `refusal` (a message), the first collective raises `ValueError(refusal)` instead.
+    With `refusal` (a message), the first collective raises `ValueError(refusal)` instead. Without,
+    the gathers of `keras_dist.ops.all_gather` and `keras_dist.global_batch` are not recorded: their
+    gradient is weighted as the step weights the replicas' gradients (`gather`), so they are exact in
+    the one-collective step too.
     """
     context = tf.distribute.get_replica_context()
     calls = []
@@ -202,7 +205,8 @@ def observing_collectives(refusal=None):
         def recording(*args, _name=name, _original=original, **kwargs):
             if refusal is not None:
                 raise ValueError(refusal)
-            calls.append(_name)
+            if not gather.weighted_gathers_running():
+                calls.append(_name)
             return _original(*args, **kwargs)
 
         context.__dict__[name] = recording  # This context object only, for the forward pass.
@@ -314,8 +318,9 @@ def compiled_forward_backward(model):
     assigned = []  # The variables the pass assigns, in the order their values are returned; set when traced.
     refusal = (
         "With `jit_compile=True` under a multi-replica strategy, XLA compiles each replica's forward pass "
-        "on its own, and a collective cannot run inside it; received a `call` that runs one (e.g. "
-        "`BatchNormalization(synchronized=True)` or `get_replica_context().all_reduce`). Fix: pass "
+        "on its own, and a collective cannot run inside it; received a `call` or a compiled loss that runs one "
+        "(e.g. `BatchNormalization(synchronized=True)`, `get_replica_context().all_reduce`, "
+        "`keras_dist.ops.all_gather` or a loss wrapped in `keras_dist.global_batch`). Fix: pass "
         "`jit_compile=False`."
     )
 

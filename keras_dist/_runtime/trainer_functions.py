@@ -6,6 +6,7 @@ outputs get a replica axis (Keras reduces them with `axis=0`), or, when every
 replica returns the same values, are taken from the first local replica.
 """
 
+import numpy as np
 import tensorflow as tf
 from keras import tree
 
@@ -79,6 +80,7 @@ def _first_replica_step_function(model, replica_step):
 
 
 def _with_replica_axis(value):
-    if isinstance(value, (tf.Tensor, tf.Variable)):
-        return tf.expand_dims(value, 0)
+    """`value` with a leading axis of size 1; Python and NumPy numbers too (TFRS' `sum(self.losses)` is the int 0)."""
+    if isinstance(value, (tf.Tensor, tf.Variable, int, float, np.number, np.ndarray)):
+        return tf.expand_dims(tf.convert_to_tensor(value), 0)
     return value

@@ -32,7 +32,7 @@ from typing import Any
 import keras
 
 from keras_dist._model import DistributedModel, workers
-from keras_dist._runtime import snapshots
+from keras_dist._runtime import batch_coupling, snapshots
 from keras_dist._verify import batches as verify_batches
 from keras_dist._verify import compare, diagnosis, runs
 from keras_dist._verify.report import VerifyReport
@@ -127,7 +127,7 @@ def verify(
     agreement = workers.agreement(model)
     verify_batches.check_same_batches(agreement, batches)
     device = runs.reference_device(strategy)
-    with runs.quiet():
+    with runs.quiet(), batch_coupling.suppressed():  # A coupled loss is reported below, as a cause.
         comparison = _run_both(model, batches, device, atol, rtol, random_layers)
     passed = comparison.passed
     if agreement.multi_worker:  # Every worker returns the same verdict.
@@ -142,6 +142,7 @@ def verify(
             global_batch_size=global_batch_size,
             random_layers=random_layers,
             device=device,
+            first_batch=batches[0],
         )
     return VerifyReport(
         passed=passed,

@@ -20,8 +20,9 @@ import re
 import keras
 import numpy as np
 
-from keras_dist._model import DistributedModel
-from keras_dist._runtime import devices
+from keras_dist._model import DistributedModel, coupling
+from keras_dist._runtime import batch_coupling, devices
+from keras_dist._runtime import keras_internals as ki
 from keras_dist._verify import compare, runs
 
 # In a step of one's own: a loss scaled for the global batch (TensorFlow's guide), or random draws.
@@ -43,6 +44,7 @@ class _Evidence:
     update_ratio: float | None
     trainable_over: list
     step_source: str
+    coupled: tuple = ()
 
     @property
     def share(self):
@@ -60,9 +62,13 @@ class _Evidence:
         )
 
 
-def diagnose(model, strategy, comparison, *, global_batch_size, random_layers, device):
-    """Returns `(likely cause, explanation, other causes)`; the causes are keys of `report.CAUSES`."""
-    evidence = _evidence(model, strategy, comparison, global_batch_size, random_layers, device)
+def diagnose(model, strategy, comparison, *, global_batch_size, random_layers, device, first_batch=None):
+    """Returns `(likely cause, explanation, other causes)`; the causes are keys of `report.CAUSES`.
+
+    `first_batch`: the first global batch as `fit` yields it, or `None` (then
+    no loss is checked for coupling the batch's examples).
+    """
+    evidence = _evidence(model, strategy, comparison, global_batch_size, random_layers, device, first_batch)
     found = {}
     for cause, check in _CHECKS:
         if cause not in found:
@@ -82,7 +88,7 @@ def diagnose(model, strategy, comparison, *, global_batch_size, random_layers, d
     return causes[0], found[causes[0]], tuple(causes[1:])
 
 
-def _evidence(model, strategy, c, global_batch_size, random_layers, device):
+def _evidence(model, strategy, c, global_batch_size, random_layers, device, first_batch=None):
     first_ref, first_got = (c.reference_logs[0] if c.reference_logs else {}), (c.logs[0] if c.logs else {})
     loss_ratio = None
     if "loss" in first_ref and "loss" in first_got and first_ref["loss"]:
@@ -106,6 +112,7 @@ def _evidence(model, strategy, c, global_batch_size, random_layers, device):
         update_ratio=moved_got / moved_ref if moved_ref else None,
         trainable_over=[p for p in c.over if p in paths],
         step_source=_own_step_source(model),
+        coupled=_coupled(model, strategy, first_batch),
     )
 
 
@@ -118,6 +125,39 @@ def _off_by_replicas(ratio, num_replicas):
 
 
 # ------------------------------------------------------------------ evidence from the numbers
+
+
+def _coupled(model, strategy, first_batch):
+    """The compiled losses and metrics that couple the examples of `first_batch` (`batch_coupling`), or `()`."""
+    if first_batch is None or strategy.num_replicas_in_sync == 1 or _own_step_source(model):
+        return ()
+    try:
+        batch = ki.unpack_x_y_sample_weight(first_batch)
+        return tuple(batch_coupling.find_coupled(model, batch, strategy.num_replicas_in_sync))
+    except Exception:  # noqa: BLE001  (no evidence, then)
+        return ()
+
+
+def _batch_coupled_loss(model, e):
+    """A compiled loss that couples the batch's examples (first: it changes the weights)."""
+    if not any(c.kind == "loss" for c in e.coupled):
+        return None
+    return _batch_coupled(model, e)
+
+
+def _batch_coupled(model, e):
+    """A compiled loss or metric that couples the batch's examples (a metric: after `_batch_level_metric`)."""
+    if not e.coupled:
+        return None
+    named = ", ".join(f"the {c.kind} {c.name!r}" for c in e.coupled)
+    fixes = "; ".join(coupling.fix(c) for c in e.coupled)
+    return (
+        f"On the first global batch of {e.global_batch_size}, {named} gives other values on each replica's share "
+        f"({e.share} examples) than on the whole batch: it couples the examples of a batch (an in-batch softmax, "
+        "a contrastive, triplet or batch-wide loss), and each replica computes it on its share only"
+        f"{e.first_step_losses()}. Fix: {fixes}: computed on the all-gathered global batch, counted once "
+        "(docs/global_batch_losses.md)."
+    )
 
 
 def _global_batch_loss_in_numbers(model, e):
@@ -311,9 +351,11 @@ def _onednn(model, e):
 
 
 _CHECKS = (
+    ("batch_coupled_loss", _batch_coupled_loss),
     ("global_batch_loss", _global_batch_loss_in_numbers),
     ("gradient_scale", _gradient_scale),
     ("batch_level_metric", _batch_level_metric),
+    ("batch_coupled_loss", _batch_coupled),
     ("zero_gradient_noise", _zero_gradient_noise),
     ("unsynchronized_batch_normalization", _unsynchronized_batch_normalization),
     ("random_layers", _random_layers),

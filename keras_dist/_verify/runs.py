@@ -56,7 +56,7 @@ class State:
             for v in optimizer.variables:
                 owned.setdefault(id(v), v)
         patch_states = [s for s in (optimizer_patches.state(o) for o in optimizers) if s is not None]
-        sums = [v for s in patch_states if s.sums is not None for v in s.sums.sums]
+        sums = [v for s in patch_states if s.sums is not None for v in s.sums.variables()]
         self.variables = snapshots.VariableSnapshot(owned.values(), sums)
         self.objects = [snapshots.ObjectSnapshot(obj) for obj in (model, *optimizers, *patch_states)]
         self.seeds = snapshots.GlobalSeedSnapshot()

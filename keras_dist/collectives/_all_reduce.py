@@ -140,10 +140,11 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
 
     Args:
         gradients: List of per-replica gradients: `tf.Tensor`,
-            `tf.IndexedSlices` (embeddings; all-gathered, never densified or
-            compressed here; the gathered rows are one device's rows, see
-            `combine_gathered_rows`) or `None` (a variable without gradient,
-            kept as `None`).
+            `tf.IndexedSlices` (embeddings; all-gathered as rows, neither
+            densified nor compressed; the gathered rows are one device's
+            rows, see `combine_gathered_rows`; densified first with
+            `options.sparse_gradients="dense"`) or `None` (a variable without
+            gradient, kept as `None`).
         options: A `keras_dist.CommunicationOptions` (`bytes_per_pack="auto"`
             is resolved for this replica context's strategy).
         names: Optional list of the variables' names. When given, the replicas
@@ -193,6 +194,7 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     if context is None:
         return list(gradients), extras
     options = options.resolved(context.strategy)
+    gradients = densified(gradients, options)
     present = [i for i, g in enumerate(gradients) if g is not None]
     to_send = [gradients[i] for i in present]
     side = list(extras)
@@ -207,6 +209,11 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         side.append(sparse_row_counts(to_send, context.replica_id_in_sync_group, context.num_replicas_in_sync))
     to_send = compress(to_send, options)
     together = all(v.dtype == tf.float32 for v in to_send if not isinstance(v, tf.IndexedSlices))
+    # TensorFlow packs the list in its order (`bytes_per_pack`) and launches the packs in order; the
+    # backward pass computes the last variables' gradients first. In reverse variable order the first
+    # pack waits only for the end of the model, and can travel while the backward pass goes on (DDP's
+    # buckets); the side values, ready before the backward pass ends, travel in the last pack.
+    to_send = to_send[::-1]
     reduced, side_sums = [], []
     if together and (to_send or side):
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, to_send + side, options=options.to_tensorflow())
@@ -225,6 +232,7 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         with tf.control_dependencies(checks):  # Nothing is sent before the workers agree.
             to_send = [_after_checks(v) for v in to_send]
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, to_send, options=options.to_tensorflow())
+    reduced = list(reduced)[::-1]  # Back in variable order.
     result = list(gradients)
     with tf.control_dependencies(checks):  # Nothing summed is used unless the workers agree.
         for i, value in zip(present, reduced):
@@ -236,6 +244,22 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
                 result[i] = _scaled(result[i], factor)
         side_sums = [tf.identity(s) for s in side_sums]
     return result, side_sums
+
+
+def densified(gradients, options):
+    """`gradients` with each `tf.IndexedSlices` made dense when `options.sparse_gradients == "dense"` (else as given).
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or `None`.
+        options: A `keras_dist.CommunicationOptions`.
+
+    Returns:
+        A list of the same length; a densified entry has its variable's
+        shape and its values' dtype, repeated indices summed.
+    """
+    if options.sparse_gradients != "dense":
+        return list(gradients)
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
 
 
 def _scaled(gradient, factor):

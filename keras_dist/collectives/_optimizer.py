@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist._runtime import accumulation, optimizer_patches, step_state
+from keras_dist._runtime import accumulation, optimizer_patches, rows, step_state
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import variables as variables_module
 from keras_dist.collectives import _all_reduce
@@ -216,11 +216,12 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
                 to_wire=lambda values: _all_reduce.compress(values, options),
                 cross_replica_sum=lambda strategy, values: _all_reduce.cross_replica_sum(strategy, values, options),
                 from_wire=_all_reduce.decompress,
-                apply=lambda summed, variables: ki.apply_without_merge_call(optimizer, keras_apply, summed, variables),
+                apply=lambda summed, variables: _apply_keeping_rows(optimizer, keras_apply, summed, variables),
                 check=None
                 if names is None
                 else lambda strategy, kinds: _check_in_cross_replica_context(strategy, kinds, options, names),
                 check_input=None if names is None else _all_reduce.gradient_kinds(grads),
+                densify=options.sparse_gradients == "dense",
             )
             if marks is not None:  # All-reduced every k-th step inside `apply`: no `all_reduced` timestamp.
                 marks.stamp("applied", variables)
@@ -243,12 +244,22 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
         conditional_merge_call = accumulating or (
             ki.overwrites_with_moving_average(optimizer) and _compat.is_active("ema_overwrite_under_strategy")
         )
-        if conditional_merge_call:
-            ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
-        else:
-            keras_apply(optimizer, grads, variables)
+        with rows.rows_kept_through_clipping(ki.optimizers_within(optimizer)):
+            if conditional_merge_call:
+                ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
+            else:
+                keras_apply(optimizer, grads, variables)
         if marks is not None:
             marks.stamp("applied", variables)
+
+
+def _apply_keeping_rows(optimizer, keras_apply, summed, variables):
+    """Keras' update branch on sums over micro-batches and replicas, from cross-replica context; rows stay rows."""
+    with (
+        rows.rows_through_keras_accumulation(optimizer, summed, variables),
+        rows.rows_kept_through_clipping([optimizer]),
+    ):
+        ki.apply_without_merge_call(optimizer, keras_apply, summed, variables)
 
 
 def _by_share(gradient, step):

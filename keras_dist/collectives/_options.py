@@ -9,6 +9,7 @@ import tensorflow as tf
 
 IMPLEMENTATIONS = ("auto", "ring", "nccl")
 COMPRESSIONS = (None, "fp16", "bf16")
+SPARSE_GRADIENTS = ("rows", "dense")
 _TF_IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
@@ -59,6 +60,17 @@ class CommunicationOptions:
             summed, as in Horovod's fp16 compression): fp16 keeps 11
             significant bits and overflows beyond 65504, bf16 keeps float32's
             range with 8 significant bits. Defaults to `None`.
+        sparse_gradients: `"rows"` or `"dense"`: how `tf.IndexedSlices`
+            gradients (an `Embedding`'s) travel and accumulate. `"rows"`:
+            all-gathered as rows (one device's rows, see docs/communication.md)
+            and, under gradient accumulation, summed as rows merged by index;
+            bytes and memory grow with the rows a step touches, not with the
+            table. `"dense"`: converted to dense tensors of the table's shape
+            first (repeated rows summed, as `tf.convert_to_tensor` does), then
+            all-reduced, compressed and accumulated as dense gradients; the
+            update is then that of the dense gradient, which for Adam-like
+            optimizers differs from one device's row-by-row update where ids
+            repeat (without accumulation). Defaults to `"rows"`.
 
     Raises:
         ValueError: A field is outside the values above.
@@ -79,6 +91,7 @@ class CommunicationOptions:
     bytes_per_pack: int | Literal["auto"] = "auto"
     timeout_seconds: float | None = None
     compression: str | None = None
+    sparse_gradients: str = "rows"
 
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
@@ -103,6 +116,12 @@ class CommunicationOptions:
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"`compression` must be one of {COMPRESSIONS}. Received: compression={self.compression!r}."
+            )
+        if self.sparse_gradients not in SPARSE_GRADIENTS:
+            raise ValueError(
+                f"`sparse_gradients` must be one of {SPARSE_GRADIENTS}. "
+                f"Received: sparse_gradients={self.sparse_gradients!r}. Fix: 'rows' (the default) keeps an "
+                "Embedding's gradient as rows; 'dense' densifies it."
             )
 
     @classmethod
@@ -174,4 +193,5 @@ class CommunicationOptions:
         pack = {"auto": "pack auto", 0: "one pack"}.get(self.bytes_per_pack, f"pack {self.bytes_per_pack} bytes")
         timeout = "no timeout" if self.timeout_seconds is None else f"timeout {self.timeout_seconds:g} s"
         compression = "no compression" if self.compression is None else f"{self.compression} compression"
-        return f"{self.implementation.upper()}, {pack}, {timeout}, {compression}"
+        sparse = ", sparse gradients dense" if self.sparse_gradients == "dense" else ""
+        return f"{self.implementation.upper()}, {pack}, {timeout}, {compression}{sparse}"

@@ -53,7 +53,17 @@ def main(argv):
     options = dict(zip(argv[1::2], argv[2::2]))
     info = keras_dist.cluster_info()
     if options.get("--workload") == "sparse":
-        results = mw_workload.run_sparse(mw_workload.build_sparse(keras_dist.DistributedModel))
+        steps = int(options["--accumulation"]) if "--accumulation" in options else None
+        model = mw_workload.build_sparse(keras_dist.DistributedModel, gradient_accumulation_steps=steps)
+        results = mw_workload.run_sparse(model)
+        if steps:  # The table's running sum holds rows (at most its 10 ids), not the table, after an odd count.
+            import tensorflow as tf
+
+            from keras_dist._runtime import optimizer_patches
+
+            sums = optimizer_patches.state(model.optimizer).sums.sums
+            held = [[int(tf.shape(local)[0]) for local in s.values.values] for s in sums if s.values is not None]
+            results["sum_rows"] = [rows for rows, s in zip(held, sums) if len(s.shape) == 2 and s.shape[0] > 4]
         with open(os.path.join(out_dir, f"{info.task_type}-{info.task_id}.json"), "w") as f:
             json.dump(results, f)
         return

@@ -76,15 +76,17 @@ class PositionEmbedding(keras.layers.Layer):
         return x + self.embedding(keras.ops.arange(0, self.length))
 
 
-def build_sparse(model_class, **kwargs):
-    """Token ids (10 ids, 6 per example: most repeat in a batch) plus a position embedding, Adam."""
+def build_sparse(model_class, gradient_accumulation_steps=None, **kwargs):
+    """Token ids (10 ids, 6 per example: most repeat in a batch) plus a position embedding, Adam (accumulating: k)."""
     inputs = keras.Input((6,), dtype="int32")
     hidden = PositionEmbedding(6, 4)(keras.layers.Embedding(10, 4)(inputs))
     outputs = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(hidden))
     model = model_class(inputs, outputs, **kwargs)
     rs = np.random.RandomState(42)
     model.set_weights([rs.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=gradient_accumulation_steps), loss="mse"
+    )
     return model
 
 

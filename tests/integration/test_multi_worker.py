@@ -102,6 +102,28 @@ def test_sparse_gradients_on_two_workers_match_single_device(tmp_path):
             np.testing.assert_allclose(w_got, w_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.timeout(150)
+def test_sparse_gradients_accumulated_on_two_workers_match_single_device(tmp_path):
+    """Adam with k=3 on 2 workers x 2 replicas: the rows summed merged by index match one device's dense accumulation.
+
+    10 micro-batches: the last cycle (the uneven last batch alone) is in progress at the end, and each
+    replica's running sum of a table holds rows (at most the 10 ids), not a table-sized tensor.
+    """
+    reference = mw_workload.run_sparse(mw_workload.build_sparse(keras.Model, gradient_accumulation_steps=3))
+    result = _launch(
+        ["--num-workers", "2", "--cpu-replicas", "2"],
+        [str(tmp_path), "--workload", "sparse", "--accumulation", "3"],
+        timeout=140,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for i in range(2):
+        got = json.loads((tmp_path / f"worker-{i}.json").read_text())
+        for w_got, w_ref in zip(got["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(w_got, w_ref, rtol=1e-5, atol=1e-5)
+        held = [n for rows in got["sum_rows"] for n in rows]  # A replica without examples in the last batch: 0.
+        assert held and all(n <= 10 for n in held) and any(held), got["sum_rows"]
+
+
 @pytest.mark.timeout(120)
 def test_worker_killed_mid_epoch_fails_the_others_naming_it(tmp_path):
     result = run_workers(

@@ -1,7 +1,7 @@
 """The public surface, compared with a committed list so every API change shows in review."""
 
 import keras_dist
-from keras_dist import callbacks, collectives, data, errors, strategy
+from keras_dist import callbacks, collectives, data, errors, ops, strategy
 
 PUBLIC = {
     "keras_dist": [
@@ -14,6 +14,7 @@ PUBLIC = {
         "describe",
         "distribute",
         "distributed_optimizer",
+        "global_batch",
         "is_chief",
         "num_workers",
         "resolve_strategy",
@@ -40,6 +41,7 @@ PUBLIC = {
         "verify_sharding",
         "with_auto_shard_policy",
     ],
+    "keras_dist.ops": ["all_gather", "global_batch_offset", "num_replicas"],
     "keras_dist.strategy": [
         "ClusterInfo",
         "Plan",
@@ -58,14 +60,14 @@ PUBLIC = {
 
 
 def test_all_matches_the_committed_list():
-    for module in (keras_dist, callbacks, collectives, data, strategy):
+    for module in (keras_dist, callbacks, collectives, data, ops, strategy):
         assert sorted(module.__all__) == sorted(PUBLIC[module.__name__]), module.__name__
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
 
 
 def test_public_callables_have_docstrings():
-    for module in (keras_dist, callbacks, collectives, data, strategy):
+    for module in (keras_dist, callbacks, collectives, data, ops, strategy):
         for name in module.__all__:
             value = getattr(module, name)
             if callable(value):
@@ -84,7 +86,7 @@ def _public_functions():
     from keras_dist import testing
 
     seen = set()
-    for module in (keras_dist, callbacks, collectives, data, strategy, testing, errors):
+    for module in (keras_dist, callbacks, collectives, data, ops, strategy, testing, errors):
         names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
         for name in names:
             value = getattr(module, name)

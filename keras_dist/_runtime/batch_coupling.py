@@ -1,0 +1,391 @@
+"""Layer 3: does a compiled loss or metric couple the examples of a batch? A check on one batch, on the host.
+
+Under N replicas each replica computes a compiled loss on its part of the
+global batch, and keras-dist combines the parts (weighted by their divisors,
+metric state summed). That is one device's value exactly when the loss's
+per-example values do not depend on the other examples of the batch. A loss
+that couples them (an in-batch softmax, a contrastive or triplet loss, a Dice
+over the whole batch) gives another value, which only
+`keras_dist.global_batch` makes one device's.
+
+`find_coupled` checks each compiled loss and metric on one global batch:
+one forward pass of the model (`training=False`: no dropout, no moving
+statistics, no random draws), then each loss's unreduced values
+(`loss.call(y_true, y_pred)`, before masks and sample weights, so neither can
+cause a false alarm) on the whole batch against the concatenation of its
+values on the replicas' parts (a loss function that returns one number: its
+value against the parts' example-weighted mean), at a relative tolerance of
+`RTOL`. Metric functions (`MeanMetricWrapper`) are checked the same way,
+except those returning one number per batch (keras-dist computes those on the
+global batch already, `batch_metrics`); a metric class of one's own by its
+result from the parts' summed state against the whole batch's (computed
+statelessly). Keras' own metric classes are sums of per-example state: exact.
+No collective runs, no variable is assigned, no random number is drawn;
+any failure of the check itself counts as "not coupled".
+
+`first_batch` takes that batch where it is cheap and free of side effects:
+the first `batch_size` rows of in-memory arrays, or the first element of a
+`tf.data.Dataset` built only from in-memory tensors with deterministic,
+stateless transformations (no shuffle, no file reading, no random op in a
+`map`): a fresh iterator of such a dataset changes nothing the training sees.
+"""
+
+import contextlib
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops, tree
+
+from keras_dist._runtime import keras_internals as ki
+
+RTOL = 1e-4
+MAX_EXAMPLES = 64  # The check's forward pass sees at most this many examples (one device holds them).
+# Keras' losses and loss functions whose values are per example (Dice, Tversky and Circle couple the batch).
+_PER_EXAMPLE_LOSSES = {
+    "MeanSquaredError",
+    "MeanAbsoluteError",
+    "MeanAbsolutePercentageError",
+    "MeanSquaredLogarithmicError",
+    "CosineSimilarity",
+    "Huber",
+    "LogCosh",
+    "Hinge",
+    "SquaredHinge",
+    "CategoricalHinge",
+    "KLDivergence",
+    "Poisson",
+    "BinaryCrossentropy",
+    "BinaryFocalCrossentropy",
+    "CategoricalCrossentropy",
+    "CategoricalFocalCrossentropy",
+    "SparseCategoricalCrossentropy",
+}
+_PER_EXAMPLE_LOSS_FUNCTIONS = {
+    "mean_squared_error",
+    "mean_absolute_error",
+    "mean_absolute_percentage_error",
+    "mean_squared_logarithmic_error",
+    "cosine_similarity",
+    "huber",
+    "log_cosh",
+    "hinge",
+    "squared_hinge",
+    "categorical_hinge",
+    "kl_divergence",
+    "poisson",
+    "binary_crossentropy",
+    "binary_focal_crossentropy",
+    "categorical_crossentropy",
+    "categorical_focal_crossentropy",
+    "sparse_categorical_crossentropy",
+}
+# Set on the classes of `keras_dist.global_batch`'s wrappers: computed on the global batch already.
+ON_GLOBAL_BATCH = "_keras_dist_on_global_batch"
+
+_SUPPRESSED = []  # Non-empty inside `suppressed()` (verify's own training runs).
+
+# tf.data classes whose fresh iterator reads nothing but memory and draws no random number.
+_SAFE_DATASETS = {
+    "_TensorSliceDataset",
+    "_TensorDataset",
+    "_RangeDataset",
+    "_BatchDataset",
+    "_PaddedBatchDataset",
+    "_UnbatchDataset",
+    "_MapDataset",
+    "_ParallelMapDataset",
+    "_FilterDataset",
+    "_PrefetchDataset",
+    "_OptionsDataset",
+    "_TakeDataset",
+    "_SkipDataset",
+    "_RepeatDataset",
+    "_ZipDataset",
+    "_ConcatenateDataset",
+    "_CacheDataset",
+    "_AssertCardinalityDataset",
+    "_ShardDataset",
+    "_EnumerateDataset",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Coupled:
+    """A compiled loss or metric found to couple the examples of a batch.
+
+    Attributes:
+        kind: `"loss"` or `"metric"`.
+        name: String, its name (as in the logs).
+        wrapped: The object to pass to `keras_dist.global_batch` (the loss, or the metric).
+        difference: Python float, the largest relative difference seen (inf: other shapes).
+    """
+
+    kind: str
+    name: str
+    wrapped: object
+    difference: float
+
+
+@contextlib.contextmanager
+def suppressed():
+    """No check runs while the block runs (e.g. `verify`'s own training, which reports the cause itself)."""
+    _SUPPRESSED.append(True)
+    try:
+        yield
+    finally:
+        _SUPPRESSED.pop()
+
+
+def is_suppressed():
+    return bool(_SUPPRESSED)
+
+
+# ------------------------------------------------------------------ the batch
+
+
+def first_batch(x, y, sample_weight, batch_size):
+    """`(x, y, sample_weight)` of a first global batch taken without side effects, or `None` where that is not cheap."""
+    if isinstance(x, tf.data.Dataset):
+        if not _safe_to_iterate(x):
+            return None
+        for element in x.take(1):
+            return ki.unpack_x_y_sample_weight(element)
+        return None
+    leaves = tree.flatten(x) if x is not None else []
+    others = [] if y is None else tree.flatten(y)
+    if not leaves or not all(isinstance(v, (np.ndarray, tf.Tensor)) for v in leaves + others):
+        return None
+    size = min(batch_size or 32, int(leaves[0].shape[0]))
+
+    def head(v):
+        return None if v is None else v[:size]
+
+    return tree.map_structure(head, x), tree.map_structure(head, y), tree.map_structure(head, sample_weight)
+
+
+def _safe_to_iterate(dataset, depth=0):
+    if depth > 50 or type(dataset).__name__ not in _SAFE_DATASETS:
+        return False
+    for name in ("_map_func", "_predicate"):
+        wrapper = getattr(dataset, name, None)
+        function = getattr(wrapper, "function", None)
+        if wrapper is not None and (
+            function is None or any(op.op_def.is_stateful for op in function.graph.get_operations())
+        ):
+            return False
+    try:
+        inputs = dataset._inputs()
+    except (AttributeError, NotImplementedError):
+        return False
+    return all(_safe_to_iterate(d, depth + 1) for d in inputs)
+
+
+# ------------------------------------------------------------------ the check
+
+
+def find_coupled(model, batch, num_parts):
+    """Returns the `Coupled` compiled losses and metrics of `model` on `batch` split into `num_parts` parts.
+
+    Args:
+        model: A built, compiled `keras.Model` (keras-dist's own step).
+        batch: `(x, y, sample_weight)` of one global batch (NumPy or eager tensors).
+        num_parts: Integer, the replicas the batch is split over.
+    """
+    x, y, sample_weight = batch
+    if y is None or not _anything_to_check(model):
+        return []  # Keras' per-example losses and metrics only: no forward pass.
+    size = min(int(tree.flatten(x)[0].shape[0]), MAX_EXAMPLES)
+    x, y, sample_weight = tree.map_structure(lambda v: None if v is None else v[:size], (x, y, sample_weight))
+    sizes = [len(p) for p in np.array_split(np.arange(size), num_parts)]
+    if sum(1 for s in sizes if s) < 2:
+        return []
+    y_pred = model(x, training=False)
+    found = []
+    compile_loss = getattr(model, "_compile_loss", None)
+    for entry in getattr(compile_loss, "_flat_losses", None) or []:
+        path, loss = entry[0], entry[1]
+        pair = _resolve(path, y, y_pred)
+        if pair is None or getattr(type(loss), ON_GLOBAL_BATCH, False):
+            continue
+        difference = _difference(lambda t, p, _loss=loss: _loss_values(_loss, t, p), *pair, sizes)
+        if difference is not None:
+            found.append(Coupled("loss", loss.name, _unwrapped(loss), difference))
+    found.extend(_coupled_metrics(model, y, y_pred, sample_weight, sizes))
+    return found
+
+
+def _anything_to_check(model):
+    """False when every compiled loss and metric is one of Keras' own per-example ones (nothing can couple)."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    for entry in getattr(compile_loss, "_flat_losses", None) or []:
+        loss = entry[1]
+        if getattr(type(loss), ON_GLOBAL_BATCH, False):
+            continue
+        fn = getattr(loss, "fn", None) if type(loss) is ki.LossFunctionWrapper else None
+        known = (
+            getattr(fn, "__name__", None) in _PER_EXAMPLE_LOSS_FUNCTIONS
+            if fn is not None
+            else type(loss).__name__ in _PER_EXAMPLE_LOSSES
+        )
+        module = getattr(fn if fn is not None else type(loss), "__module__", "")
+        if not (known and module.startswith("keras.")):
+            return True
+    compile_metrics = getattr(model, "_compile_metrics", None)
+    for lists in (
+        getattr(compile_metrics, "_flat_metrics", None) or [],
+        getattr(compile_metrics, "_flat_weighted_metrics", None) or [],
+    ):
+        for metrics_list in lists:
+            for metric in getattr(metrics_list, "metrics", None) or []:
+                keras_own = type(metric).__module__.startswith("keras.")
+                if not keras_own or type(metric) is keras.metrics.MeanMetricWrapper:
+                    return True  # A class of one's own, or a function wrapped by Keras: check it.
+    return False
+
+
+def _unwrapped(loss):
+    """The function a `LossFunctionWrapper` Keras made of a compiled function, else the loss object."""
+    fn = getattr(loss, "fn", None)
+    return fn if type(loss) is ki.LossFunctionWrapper and fn is not None else loss
+
+
+def _resolve(path, y, y_pred):
+    """`(y_true, y_pred)` of the output at `path` (CompileLoss' path into `y_pred`), or `None`."""
+    try:
+        y_p = y_pred
+        for key in path or ():
+            y_p = y_p[key]
+        if not tree.is_nested(y):
+            return (y, y_p) if not tree.is_nested(y_pred) else None
+        y_t = y if tree.is_nested(y) and _same_paths(y, y_pred) else tree.pack_sequence_as(y_pred, tree.flatten(y))
+        for key in path or ():
+            y_t = y_t[key]
+        return y_t, y_p
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def _same_paths(a, b):
+    try:
+        tree.assert_same_paths(a, b)
+        return True
+    except (ValueError, TypeError, AttributeError):
+        return False
+
+
+def _loss_values(loss, y_true, y_pred):
+    y_pred = tree.map_structure(lambda v: ops.convert_to_tensor(v, dtype=loss.dtype), y_pred)
+    y_true = tree.map_structure(lambda v: ops.convert_to_tensor(v, dtype=loss.dtype), y_true)
+    return loss.call(y_true, y_pred)
+
+
+def _parts(value, sizes):
+    """The replicas' parts of `value` (a tensor or nested structure), the empty ones left out."""
+    bounds = np.cumsum([0, *sizes])
+    return [tree.map_structure(lambda v, a=a, b=b: v[a:b], value) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _difference(values_of, y_true, y_pred, sizes):
+    """The largest relative difference between whole-batch and per-part values, when over `RTOL`; else `None`."""
+    try:
+        whole = np.asarray(values_of(y_true, y_pred), dtype="float64")
+        parts = [
+            np.asarray(values_of(t, p), dtype="float64") for t, p in zip(_parts(y_true, sizes), _parts(y_pred, sizes))
+        ]
+    except Exception:  # noqa: BLE001  (a loss that cannot run on a part: not for this check to say)
+        return None
+    counts = [s for s in sizes if s]
+    if whole.ndim == 0:
+        if any(p.ndim for p in parts):
+            return float("inf")
+        combined = np.dot(counts, [float(p) for p in parts]) / sum(counts)
+    else:
+        if any(p.ndim == 0 or p.shape[1:] != whole.shape[1:] for p in parts):
+            return float("inf")
+        combined = np.concatenate(parts, axis=0)
+        if combined.shape != whole.shape:
+            return float("inf")
+    return _relative_excess(combined, whole)
+
+
+def _relative_excess(got, expected):
+    """`max |got - expected| / (|expected| + scale)` when some element is over `RTOL` of it, else `None`."""
+    scale = 1e-2 * max(float(np.nanmax(np.abs(expected))) if expected.size else 0.0, 1e-6)
+    both_nan = np.isnan(got) & np.isnan(expected)
+    difference = np.where(both_nan, 0.0, np.abs(got - expected)) / (np.abs(expected) + scale)
+    worst = float(np.max(np.where(np.isnan(difference), np.inf, difference))) if difference.size else 0.0
+    return worst if worst > RTOL else None
+
+
+def _coupled_metrics(model, y, y_pred, sample_weight, sizes):
+    compile_metrics = getattr(model, "_compile_metrics", None)
+    if compile_metrics is None:
+        return []
+    flat_true, flat_pred = tree.flatten(y), tree.flatten(y_pred)
+    if len(flat_true) != len(flat_pred):
+        return []
+    found = []
+    for lists, weighted in (
+        (getattr(compile_metrics, "_flat_metrics", None) or [], False),
+        (getattr(compile_metrics, "_flat_weighted_metrics", None) or [], True),
+    ):
+        for metrics_list, y_t, y_p in zip(lists, flat_true, flat_pred):
+            for metric in getattr(metrics_list, "metrics", None) or []:
+                weights = sample_weight if weighted and not tree.is_nested(sample_weight) else None
+                difference = _metric_difference(metric, y_t, y_p, weights, sizes)
+                if difference is not None:
+                    found.append(Coupled("metric", metric.name, metric, difference))
+    return found
+
+
+def _metric_difference(metric, y_true, y_pred, sample_weight, sizes):
+    if getattr(type(metric), ON_GLOBAL_BATCH, False):
+        return None
+    if isinstance(metric, keras.metrics.MeanMetricWrapper):
+
+        def values_of(t, p):
+            return metric._fn(t, p, **metric._fn_kwargs)
+
+        try:
+            if np.ndim(values_of(y_true[:1], y_pred[:1])) == 0:
+                return None  # One number per batch: computed on the global batch already (`batch_metrics`).
+        except Exception:  # noqa: BLE001
+            return None
+        return _difference(values_of, y_true, y_pred, sizes)
+    if type(metric).__module__.startswith("keras.") or not all(
+        getattr(v, "aggregation", "sum") == "sum" for v in metric.variables
+    ):
+        return None
+    return _summed_state_difference(metric, y_true, y_pred, sample_weight, sizes)
+
+
+def _summed_state_difference(metric, y_true, y_pred, sample_weight, sizes):
+    """A metric class of one's own: its result from the parts' summed state against the whole batch's."""
+    try:
+        variables = list(metric.variables)
+        with keras.StatelessScope(state_mapping=[(v, v.value) for v in variables]) as scope:
+            metric.reset_state()
+        initial = [scope.get_current_value(v) if scope.get_current_value(v) is not None else v.value for v in variables]
+        whole = metric.stateless_update_state(initial, y_true, y_pred, sample_weight=sample_weight)
+        weights = _parts(sample_weight, sizes) if sample_weight is not None else [None] * len(_parts(y_true, sizes))
+        states = [
+            metric.stateless_update_state(initial, t, p, sample_weight=w)
+            for t, p, w in zip(_parts(y_true, sizes), _parts(y_pred, sizes), weights)
+        ]
+        empty = len(sizes) - len(states)  # Replicas without examples keep the initial state.
+        summed = [sum(s[i] for s in states) + empty * initial[i] for i in range(len(variables))]
+        expected, got = _result_of(metric, variables, whole), _result_of(metric, variables, summed)
+    except Exception:  # noqa: BLE001
+        return None
+    if got.shape != expected.shape:
+        return float("inf")
+    return _relative_excess(got, expected)
+
+
+def _result_of(metric, variables, state):
+    """`metric.result()` from `state` as one float64 vector (read inside the scope: a result may be a variable)."""
+    with keras.StatelessScope(state_mapping=list(zip(variables, state))):
+        results = [np.ravel(np.asarray(ops.convert_to_tensor(r), "float64")) for r in tree.flatten(metric.result())]
+    return np.concatenate(results) if results else np.zeros([0])

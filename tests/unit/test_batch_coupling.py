@@ -1,0 +1,198 @@
+"""A compiled loss or metric that couples the examples of a batch is named once, with the fix (issue 25 item 3).
+
+Every built-in per-example Keras loss, with sample weights and with a Keras
+mask, trains on 2 replicas without a warning (keras-dist turns its own
+warnings into errors in tests); a batch-coupled compiled loss or metric gets
+exactly one warning each, naming it and `keras_dist.global_batch`; `verify`
+names it as the cause of a difference.
+"""
+
+import contextlib
+import io
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+import keras_dist
+from keras_dist import errors
+from keras_dist._runtime import batch_coupling
+
+RS = np.random.RandomState(0)
+X = RS.rand(12, 4).astype("float32")
+WEIGHTS = RS.uniform(0.5, 2.0, size=(12,)).astype("float32")
+PROBABILITIES = RS.dirichlet(np.ones(3), size=12).astype("float32")
+LABELS = RS.randint(0, 3, size=(12,)).astype("int32")
+BINARY = (RS.rand(12, 3) > 0.5).astype("float32")
+SIGNS = 2.0 * BINARY - 1.0
+POSITIVE = RS.uniform(0.1, 2.0, size=(12, 3)).astype("float32")
+
+# name -> (loss, activation of its 3 outputs, targets)
+PER_EXAMPLE = {
+    "mse": (keras.losses.MeanSquaredError(), None, POSITIVE),
+    "mae": (keras.losses.MeanAbsoluteError(), None, POSITIVE),
+    "mape": (keras.losses.MeanAbsolutePercentageError(), None, POSITIVE),
+    "msle": (keras.losses.MeanSquaredLogarithmicError(), "softplus", POSITIVE),
+    "huber": (keras.losses.Huber(delta=0.5), None, POSITIVE),
+    "log_cosh": (keras.losses.LogCosh(), None, POSITIVE),
+    "cosine": (keras.losses.CosineSimilarity(), None, POSITIVE),
+    "poisson": (keras.losses.Poisson(), "softplus", POSITIVE),
+    "kld": (keras.losses.KLDivergence(), "softmax", PROBABILITIES),
+    "hinge": (keras.losses.Hinge(), "tanh", SIGNS),
+    "squared_hinge": (keras.losses.SquaredHinge(), "tanh", SIGNS),
+    "categorical_hinge": (keras.losses.CategoricalHinge(), "softmax", PROBABILITIES),
+    "bce": (keras.losses.BinaryCrossentropy(label_smoothing=0.1), "sigmoid", BINARY),
+    "bce_logits": (keras.losses.BinaryCrossentropy(from_logits=True), None, BINARY),
+    "binary_focal": (keras.losses.BinaryFocalCrossentropy(), "sigmoid", BINARY),
+    "cce": (keras.losses.CategoricalCrossentropy(), "softmax", PROBABILITIES),
+    "categorical_focal": (keras.losses.CategoricalFocalCrossentropy(), "softmax", PROBABILITIES),
+    "generalized_ce": (keras.losses.CategoricalGeneralizedCrossEntropy(), "softmax", LABELS),
+    "scce": (keras.losses.SparseCategoricalCrossentropy(from_logits=True), None, LABELS),
+    "scce_ignore": (keras.losses.SparseCategoricalCrossentropy(ignore_class=0), "softmax", LABELS),
+    "dice_per_example": (keras.losses.Dice(axis=-1), "sigmoid", BINARY),
+    "tversky_per_example": (keras.losses.Tversky(axis=-1), "sigmoid", BINARY),
+}
+
+
+def _per_example_model(strategy):
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+    outputs = {
+        name: keras.layers.Dense(3, activation=act, name=name)(hidden) for name, (_, act, _) in PER_EXAMPLE.items()
+    }
+    model = keras_dist.DistributedModel(inputs, outputs, strategy=strategy)
+    model.compile(
+        optimizer="sgd",
+        loss={name: loss for name, (loss, _, _) in PER_EXAMPLE.items()},
+        metrics={"mse": ["mae", keras.metrics.AUC(name="auc")], "cce": ["accuracy"], "scce": ["accuracy"]},
+    )
+    return model
+
+
+def test_no_per_example_keras_loss_is_taken_for_a_coupled_one(mirrored_1x2_cpu):
+    model = _per_example_model(mirrored_1x2_cpu)
+    targets = {name: target for name, (_, _, target) in PER_EXAMPLE.items()}
+    batch = (X[:6], {k: v[:6] for k, v in targets.items()}, WEIGHTS[:6])
+    assert batch_coupling.find_coupled(model, batch, 2) == []  # Each loss's values, directly.
+    y_pred = model(batch[0])
+    for name, (loss, _, _) in PER_EXAMPLE.items():  # Each was computed (a failing loss is not checked).
+        assert batch_coupling._loss_values(loss, batch[1][name], y_pred[name]).shape[0] == 6, name
+    # And through fit and evaluate, with sample weights (a KerasDistWarning would be an error here).
+    model.fit(X, targets, sample_weight=WEIGHTS, batch_size=6, epochs=1, verbose=0)
+    model.evaluate(X, targets, sample_weight=WEIGHTS, batch_size=6, verbose=0)
+    assert model.__dict__["_keras_dist_coupling_checked"]
+
+
+def test_with_a_keras_mask_and_ignore_class_no_warning_either(mirrored_1x2_cpu):
+    tokens = RS.randint(1, 7, size=(12, 5)).astype("int32")
+    tokens[:, 3:] = 0
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Embedding(7, 4, mask_zero=True)(inputs)
+    outputs = {
+        "tags": keras.layers.Dense(3, activation="softmax", name="tags")(hidden),
+        "values": keras.layers.Dense(2, name="values")(hidden),
+    }
+    model = keras_dist.DistributedModel(inputs, outputs, strategy=mirrored_1x2_cpu)
+    model.compile(
+        optimizer="sgd",
+        loss={"tags": keras.losses.SparseCategoricalCrossentropy(ignore_class=0), "values": "huber"},
+        metrics={"tags": ["accuracy"]},
+        weighted_metrics={"values": ["mae"]},
+    )
+    targets = {"tags": RS.randint(0, 3, size=(12, 5)), "values": RS.rand(12, 5, 2).astype("float32")}
+    per_token = RS.uniform(0.5, 2.0, size=(12, 5)).astype("float32")  # As Keras needs it with ignore_class.
+    weights = {"tags": per_token, "values": per_token}
+    model.fit(tokens, targets, sample_weight=weights, batch_size=6, epochs=1, verbose=0)
+    assert model.__dict__["_keras_dist_coupling_checked"]
+
+
+class BatchMax(keras.metrics.Metric):
+    """A metric class of one's own that keeps the largest batch mean (not a sum of per-example state)."""
+
+    def __init__(self, name="batch_max", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.largest = self.add_variable((), "zeros", name="largest")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.largest.assign(ops.maximum(self.largest, ops.mean(ops.abs(y_true - y_pred))))
+
+    def result(self):
+        return self.largest
+
+
+def _warnings_of(strategy, loss, metrics, x=X, y=POSITIVE, **fit_kwargs):
+    inputs = keras.Input((4,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(3, activation="sigmoid")(inputs), strategy=strategy)
+    model.compile(optimizer="sgd", loss=loss, metrics=metrics)
+    with pytest.warns(errors.KerasDistWarning) as seen:
+        model.fit(x, y, epochs=1, verbose=0, **fit_kwargs)
+        model.evaluate(
+            x, y, verbose=0, **({"batch_size": fit_kwargs["batch_size"]} if "batch_size" in fit_kwargs else {})
+        )
+    return [str(w.message) for w in seen if issubclass(w.category, errors.KerasDistWarning)]
+
+
+def test_a_batch_wide_keras_loss_and_a_metric_class_of_ones_own_warn_once_each(mirrored_1x2_cpu):
+    messages = _warnings_of(mirrored_1x2_cpu, keras.losses.Dice(), [BatchMax(), "mae"], batch_size=6)
+    assert len(messages) == 2, messages
+    assert "The compiled loss 'dice' couples the examples of a batch" in messages[0]
+    assert "compile(loss=keras_dist.global_batch(keras.losses.Dice(...)))" in messages[0]
+    assert "The compiled metric 'batch_max'" in messages[1]
+    assert "compile(metrics=[keras_dist.global_batch(BatchMax(...))])" in messages[1]
+
+
+def test_a_dataset_of_memory_is_checked_a_shuffled_one_is_not_touched(mirrored_1x2_cpu):
+    dataset = tf.data.Dataset.from_tensor_slices((X, BINARY)).map(lambda x, y: (x * 2.0, y)).batch(6)
+    messages = _warnings_of(mirrored_1x2_cpu, keras.losses.Dice(), [], x=dataset, y=None)
+    assert len(messages) == 1 and "'dice'" in messages[0]
+    # A shuffled dataset: a fresh iterator would move its seed on (another order in training): not taken.
+    assert batch_coupling.first_batch(dataset.shuffle(12), None, None, None) is None
+    assert batch_coupling.first_batch(dataset, None, None, None) is not None
+    assert (
+        batch_coupling.first_batch(tf.data.Dataset.from_tensor_slices(X).map(tf.random.shuffle), None, None, None)
+        is None
+    )
+
+
+def test_the_check_changes_no_state_and_runs_only_on_several_replicas(mirrored_1x2_cpu):
+    inputs = keras.Input((4,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(3)(inputs), strategy=mirrored_1x2_cpu)
+    auc = keras.metrics.AUC(name="auc")
+    model.compile(optimizer="sgd", loss="mse", metrics=[auc, BatchMax()])
+    with batch_coupling.suppressed():  # Builds the compiled metrics; no check.
+        model.evaluate(X, POSITIVE, batch_size=6, verbose=0)
+    before = [np.array(v) for v in [*model.weights, *auc.variables]]
+    assert [c.name for c in batch_coupling.find_coupled(model, (X, POSITIVE, None), 2)] == ["batch_max"]
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(before, [*model.weights, *auc.variables]))
+    one = keras_dist.DistributedModel(inputs, keras.layers.Dense(3)(inputs), strategy="one_device")
+    one.compile(optimizer="sgd", loss=keras.losses.Dice())
+    with contextlib.redirect_stdout(io.StringIO()):
+        one.fit(X, BINARY, batch_size=6, epochs=1, verbose=0)  # No warning on one device (an error here).
+    assert not one.__dict__.get("_keras_dist_coupling_checked")
+
+
+def _retrieval(strategy):
+    query, candidate = keras.Input((4,)), keras.Input((3,))
+    q = keras.layers.Dense(4)(query)
+    c = keras.layers.Dense(4)(candidate)
+    model = keras_dist.DistributedModel([query, candidate], keras.layers.Concatenate()([q, c]), strategy=strategy)
+
+    def in_batch_softmax(y_true, y_pred):
+        logits = ops.matmul(y_pred[:, :4], ops.transpose(y_pred[:, 4:]))
+        return keras.losses.sparse_categorical_crossentropy(ops.arange(ops.shape(logits)[0]), logits, from_logits=True)
+
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=in_batch_softmax)
+    return model
+
+
+def test_verify_names_a_coupled_loss_as_the_cause_with_the_fix(mirrored_1x2_cpu):
+    model = _retrieval(mirrored_1x2_cpu)
+    x, y = [X, RS.rand(12, 3).astype("float32")], np.zeros((12, 1), "float32")
+    report = keras_dist.verify(model, x, y, batch_size=6, steps=2)  # verify's own fit does not warn.
+    assert not report.passed
+    assert report.likely_cause == "batch_coupled_loss"
+    assert "'in_batch_softmax'" in report.explanation
+    assert "keras_dist.global_batch(in_batch_softmax)" in report.explanation
+    assert "batch_coupled_loss" in str(report)
