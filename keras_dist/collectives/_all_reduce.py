@@ -209,15 +209,16 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         side.append(sparse_row_counts(to_send, context.replica_id_in_sync_group, context.num_replicas_in_sync))
     to_send = compress(to_send, options)
     together = all(v.dtype == tf.float32 for v in to_send if not isinstance(v, tf.IndexedSlices))
-    # TensorFlow packs the list in its order (`bytes_per_pack`) and launches the packs in order; the
-    # backward pass computes the last variables' gradients first. In reverse variable order the first
-    # pack waits only for the end of the model, and can travel while the backward pass goes on (DDP's
-    # buckets); the side values, ready before the backward pass ends, travel in the last pack.
-    to_send = to_send[::-1]
+    # TensorFlow's collective all-reduce (`CollectiveAllReduce`: between workers, and MirroredStrategy's
+    # default on CPUs) reverses the dense values before packing them (`bytes_per_pack`) and launches the
+    # packs in that order, so that the last layers' gradients, which the backward pass computes first,
+    # travel first (DDP's bucket order; TF 2.18-2.21 checked). Handed the side values first and the
+    # gradients in variable order, the first pack waits only for the last layers' gradients, and the
+    # side values (counts, flags, metric state) travel in the last pack.
     reduced, side_sums = [], []
     if together and (to_send or side):
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, to_send + side, options=options.to_tensorflow())
-        reduced, side_sums = reduced[: len(to_send)], reduced[len(to_send) :]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, side + to_send, options=options.to_tensorflow())
+        side_sums, reduced = list(reduced[: len(side)]), reduced[len(side) :]
     elif not together and side:
         side_sums = context.all_reduce(tf.distribute.ReduceOp.SUM, side, options=options.to_tensorflow())
     if num_sparse:
@@ -232,7 +233,6 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         with tf.control_dependencies(checks):  # Nothing is sent before the workers agree.
             to_send = [_after_checks(v) for v in to_send]
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, to_send, options=options.to_tensorflow())
-    reduced = list(reduced)[::-1]  # Back in variable order.
     result = list(gradients)
     with tf.control_dependencies(checks):  # Nothing summed is used unless the workers agree.
         for i, value in zip(present, reduced):
