@@ -377,6 +377,22 @@ FIXES = {
             fixed_in="3.14",
         ),
         Fix(
+            name="sparse_embedding_read",
+            package="keras",
+            verified=">=3.10,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/layers/core/embedding.py (call: ops.take of the whole table; not reported upstream)",
+            symptom="Keras' Embedding reads its whole table (ReadVariableOp, then GatherV2) in every step, and once the "
+            "optimizer has applied a sparse gradient to it TensorFlow copies the table on each such read: a 1M x 64 "
+            "table trains at a fifth of a 10K one's step rate on one device and a tenth on 2 replicas (tf.keras 2 "
+            "read only the rows it looked up).",
+            remedy="Each Embedding layer of a DistributedModel reads only the rows it looks up (sparse_read, "
+            "ResourceGather, of the replica's copy of the table), with Keras' casts and negative-id wrap: the same "
+            "values and IndexedSlices gradients; symbolic calls, ragged or sparse ids, LoRA and quantized tables "
+            "run Keras' own call.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1"),
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="empty_batch_convolution",
             package="tensorflow",
             verified=">=2.18,<2.22",

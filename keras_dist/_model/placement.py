@@ -26,6 +26,13 @@ def distribute_state(model):
         ]
         if any(guarded):
             model.train_function = None
+    if _compat.is_active("sparse_embedding_read"):
+        reading_rows = [
+            runtime_layers.read_embedding_rows(layer, lambda: _compat.is_active("sparse_embedding_read"))
+            for layer in runtime_layers.embedding_layers(model)
+        ]
+        if any(reading_rows):
+            model.train_function = model.test_function = model.predict_function = None
     if _compat.is_active("mirrored_layer_state") and variables.is_multi_replica(strategy):
         for v in model.weights:
             if not v.trainable and v.aggregation == "none" and "float" in v.dtype:

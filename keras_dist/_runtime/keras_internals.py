@@ -10,6 +10,8 @@ import contextlib
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope as in_stateless_scope  # Re-exported.
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope as in_symbolic_scope  # Re-exported.
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.models.functional import Functional
@@ -40,6 +42,8 @@ __all__ = [
     "functional_structure",
     "get_data_adapter",
     "get_random_seed",
+    "in_stateless_scope",
+    "in_symbolic_scope",
     "gradients_already_reduced",
     "optimizer_chain",
     "optimizer_strategy",
