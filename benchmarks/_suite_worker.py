@@ -20,16 +20,22 @@ Systems:
   jax         Keras 3 on JAX with `keras.distribution.DataParallel` over
               XLA's simulated host devices (one process only).
 
+Workloads: see `benchmarks/suite.py`; `recommender` is an `Embedding(--embedding-rows, 64)`
+table (8 ids per example, a fifth of them from 100 popular ids) averaged into `Dense(10)`.
+
 Timing: `fit` runs 1 step first (process start to the end of that fit is the
 startup time), then `--epochs` epochs of `--steps` steps; a callback that uses
 only epoch hooks (batch hooks would add a host sync, and under keras-dist a
 per-batch agreement) times every epoch; the first timed epoch is warm-up.
-Writes JSON to `--out` (worker 0 only).
+Writes JSON to `--out` (worker 0 only), with this process's peak RSS in bytes
+(`ru_maxrss`) as `peak_rss_bytes`; every other worker writes its own
+`{"peak_rss_bytes": ...}` to `<--out>.worker<index>` before worker 0 writes `--out`.
 """
 
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -37,10 +43,11 @@ import time
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", required=True, choices=["keras_dist", "keras", "keras_loop", "tf_keras", "jax"])
-    parser.add_argument("--workload", required=True, choices=["mlp", "cnn", "digits", "sequence"])
+    parser.add_argument("--workload", required=True, choices=["mlp", "cnn", "digits", "sequence", "recommender"])
     parser.add_argument("--replicas", type=int, default=1, help="simulated CPU replicas in this process")
     parser.add_argument("--gpu", action="store_true", help="mirror over all GPUs instead of CPU replicas")
     parser.add_argument("--global-batch-size", type=int, default=256)
+    parser.add_argument("--embedding-rows", type=int, default=1_000_000, help="rows of the recommender's table")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed epoch")
     parser.add_argument("--epochs", type=int, default=4, help="timed epochs (the first is warm-up)")
     parser.add_argument("--intra-op-threads", type=int, default=0, help="0 = TensorFlow's default")
@@ -52,7 +59,8 @@ def parse_args():
 ARGS = parse_args()
 STARTED_AT = float(os.environ.get("SUITE_STARTED_AT", time.time()))
 MULTI_WORKER = "TF_CONFIG" in os.environ and len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]) > 1
-IS_CHIEF = not MULTI_WORKER or json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
+WORKER_INDEX = json.loads(os.environ["TF_CONFIG"])["task"]["index"] if MULTI_WORKER else 0
+IS_CHIEF = WORKER_INDEX == 0
 
 
 def setup():
@@ -140,6 +148,16 @@ def build(keras):
         h = L.Conv2D(32, 3, padding="same", activation="relu")(inputs)
         h = L.Conv2D(64, 3, padding="same", activation="relu")(h)
         outputs = L.Dense(10)(L.Dropout(0.3)(L.Flatten()(h)))
+    elif ARGS.workload == "recommender":
+        rows = ARGS.embedding_rows
+        ids = rng.randint(0, rows, (batch * 8, 8))
+        popular = rng.rand(*ids.shape) < 0.2  # Popular ids repeat within and across batches.
+        ids[popular] = rng.randint(0, min(100, rows), popular.sum())
+        x = ids.astype("int32")
+        y = rng.randint(0, 10, len(x)).astype("int32")
+        inputs = keras.Input((8,), dtype="int32")
+        h = L.GlobalAveragePooling1D()(L.Embedding(rows, 64)(inputs))
+        outputs = L.Dense(10)(h)
     else:
         return _sequence(keras, rng, batch)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
@@ -256,17 +274,22 @@ def main():
         replicas = strategy.num_replicas_in_sync if strategy is not None else 1
     else:
         replicas = model.distribute_strategy.num_replicas_in_sync
-    if IS_CHIEF:
-        with open(ARGS.out, "w") as f:
-            json.dump(
-                {
-                    "startup_seconds": startup_seconds,
-                    "step_seconds": step_seconds,
-                    "num_replicas_in_sync": replicas,
-                    "global_batch_size": ARGS.global_batch_size,
-                },
-                f,
-            )
+    peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kibibytes.
+    if not IS_CHIEF:
+        with open(f"{ARGS.out}.worker{WORKER_INDEX}", "w") as f:
+            json.dump({"peak_rss_bytes": peak_rss_bytes}, f)
+        return
+    with open(ARGS.out, "w") as f:
+        json.dump(
+            {
+                "startup_seconds": startup_seconds,
+                "step_seconds": step_seconds,
+                "num_replicas_in_sync": replicas,
+                "global_batch_size": ARGS.global_batch_size,
+                "peak_rss_bytes": peak_rss_bytes,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

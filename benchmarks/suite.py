@@ -1,4 +1,4 @@
-"""Step time of keras-dist against raw Keras 3 `tf.distribute` and peers, per workload and topology.
+"""Step time and peak memory of keras-dist against raw Keras 3 `tf.distribute` and peers, per workload and topology.
 
 A benchmark, not a test: it prints what it measured in this run and writes
 JSON (`--json`), asserting nothing about speed.
@@ -12,6 +12,9 @@ TensorFlow starts), interleaved: for each repeat, every topology, every system
               cnn       3 conv layers on 32x32x3 random images
               digits    the main example's CNN on scikit-learn's 8x8 digits
               sequence  variable-length tokens (8-64) bucketed to 4 lengths, masked GRU
+              recommender  an Embedding(`--embedding-rows`, default 1,000,000, x 64)
+                        table, 8 int32 ids per example (a fifth from 100 popular ids,
+                        the rest uniform), averaged (GlobalAveragePooling1D), Dense(10)
               All: SGD(0.01), sparse cross-entropy, global batch `--global-batch-size`.
   topologies  <workers>x<replicas per worker>: 1x1 (one device), 1x2 (one process,
               2 simulated CPU replicas, MirroredStrategy), 2x1 and 2x2 (2 local
@@ -36,16 +39,23 @@ all timed epochs of all repeats, examples/s (global batch / step time), the
 ratio to the same system's 1x1 step time (its distribution overhead: 1.00x means
 none; on one 2-core host more replicas share the same cores, so this is not
 a speed-up), and keras-dist's step time over each system's on the same topology.
+Peak RSS: every process reports its own peak resident memory (`ru_maxrss`, in
+bytes); a measurement's figure is the largest over its workers, the reported
+one the median of that over repeats, and `kd RSS / raw` keras-dist's over raw
+Keras' on the same workload and topology (shown on the raw Keras row: system
+`keras` where it has a figure, else `keras_loop`, since Keras 3's `fit` fails
+under MultiWorkerMirroredStrategy).
 Every system gets the same thread pools (`--threads-per-worker`, applied by the
 launcher to keras-dist and by the worker script to the others).
 
     python benchmarks/suite.py [--workloads mlp,cnn] [--topologies 1x1,1x2,2x1,2x2]
         [--systems keras_dist,keras,keras_loop,tf_keras,jax] [--steps 8] [--epochs 2]
-        [--repeats 2] [--json out.json]
+        [--repeats 2] [--embedding-rows 1000000] [--json out.json]
     python benchmarks/suite.py --quick     # checks that the suite works (about a minute; CI runs it)
 """
 
 import argparse
+import glob
 import importlib.util
 import json
 import os
@@ -59,7 +69,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_suite_worker.py")
 SYSTEMS = ("keras_dist", "keras", "keras_loop", "tf_keras", "jax", "keras_dist_tf_threads")
-WORKLOADS = ("mlp", "cnn", "digits", "sequence")
+WORKLOADS = ("mlp", "cnn", "digits", "sequence", "recommender")
+# Raw Keras 3 on the same strategy, in order of preference, for `keras_dist_rss_over_raw_keras`.
+RAW_KERAS_SYSTEMS = ("keras", "keras_loop")
 KERAS3_FIT_MULTI_WORKER = (
     "Keras 3.15 fit fails under MultiWorkerMirroredStrategy (ValueError: a PerReplica batch in "
     "_maybe_symbolic_build); see keras_loop"
@@ -129,6 +141,8 @@ def command_for(system, topology, workload, args, out):
     ]
     if gpu:
         script.append("--gpu")
+    if workload == "recommender" and getattr(args, "embedding_rows", None) is not None:
+        script += ["--embedding-rows", str(args.embedding_rows)]
     if workers == 1:
         return [sys.executable, *script, "--replicas", str(replicas)]
     threads = 0 if system == "keras_dist_tf_threads" else args.threads_per_worker
@@ -155,19 +169,40 @@ def measure(system, topology, workload, args, tmp):
 def run_measurement(command, env, out, timeout, cwd=None):
     """Runs `command`, which writes its JSON result to `out`; returns `(result dict or {"error": ...}, process)`.
 
-    The process is `None` when it timed out after `timeout` seconds. `out` is removed once read.
+    The process is `None` when it timed out after `timeout` seconds. `out` is removed once read, and so
+    are the other workers' `<out>.worker<index>` files (`{"peak_rss_bytes": ...}`): the result's
+    `peak_rss_bytes_per_worker` lists every worker's peak RSS in bytes (worker 0 first) and its
+    `peak_rss_bytes` is the largest of them.
     """
     try:
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     except subprocess.TimeoutExpired:
+        _worker_peaks(out)  # Removes what the workers left.
         return {"error": f"timed out after {timeout} s"}, None
+    worker_peaks = _worker_peaks(out)
     if proc.returncode != 0 or not os.path.exists(out):
         lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
         return {"error": (lines[-1] if lines else f"exit status {proc.returncode}")[-300:]}, proc
     with open(out) as f:
         result = json.load(f)
     os.remove(out)
+    if "peak_rss_bytes" in result:
+        result["peak_rss_bytes_per_worker"] = [result["peak_rss_bytes"], *worker_peaks]
+        result["peak_rss_bytes"] = max(result["peak_rss_bytes_per_worker"])
     return result, proc
+
+
+def _worker_peaks(out):
+    """Reads and removes the `<out>.worker<index>` files; returns their peak RSS in bytes, by worker index."""
+    peaks = {}
+    for path in glob.glob(glob.escape(out) + ".worker*"):
+        index = path[len(out) + len(".worker") :]
+        if not index.isdigit():
+            raise ValueError(f"expected worker files named {out}.worker<index>; received {path}")
+        with open(path) as f:
+            peaks[int(index)] = json.load(f)["peak_rss_bytes"]
+        os.remove(path)
+    return [peaks[index] for index in sorted(peaks)]
 
 
 def summarize(runs, global_batch_size):
@@ -177,11 +212,14 @@ def summarize(runs, global_batch_size):
     `epoch_spread` the range of every timed epoch's step time (all repeats)
     over the median, which shows an unsteady step (some epochs twice as slow)
     that a median hides. `load_averages`: the 1-minute load average before
-    each repeat's processes started.
+    each repeat's processes started. `peak_rss_bytes`: the median over repeats
+    of the largest worker's peak RSS, in bytes (absent when a run has none).
     """
     steps = [s for run in runs for s in run["step_seconds"]]
     medians = [statistics.median(run["step_seconds"]) for run in runs]
     median = statistics.median(steps)
+    peaks = [run.get("peak_rss_bytes") for run in runs]
+    rss = {"peak_rss_bytes": statistics.median(peaks)} if all(p is not None for p in peaks) else {}
     return {
         "median_step_seconds": median,
         "examples_per_second": global_batch_size / median,
@@ -191,6 +229,7 @@ def summarize(runs, global_batch_size):
         "startup_seconds": statistics.median(run["startup_seconds"] for run in runs),
         "num_replicas_in_sync": runs[0]["num_replicas_in_sync"],
         "repeat_medians": medians,
+        **rss,
     }
 
 
@@ -212,7 +251,7 @@ def run_suite(args):
                             continue
                         row["runs"].append(result)
                         print(
-                            f"  {workload:<9}{topology:<5}{system:<22} repeat {repeat + 1}: "
+                            f"  {workload:<12}{topology:<5}{system:<22} repeat {repeat + 1}: "
                             f"{statistics.median(result['step_seconds']) * 1e3:8.2f} ms/step, "
                             f"startup {result['startup_seconds']:.1f} s",
                             flush=True,
@@ -233,6 +272,7 @@ def _rows_with_ratios(rows, args):
         if row["runs"]:
             entry.update(summarize(row["runs"], args.global_batch_size))
             entry["step_seconds"] = [run["step_seconds"] for run in row["runs"]]
+            entry["peak_rss_bytes_per_worker"] = [run.get("peak_rss_bytes_per_worker") for run in row["runs"]]
         results.append(entry)
     index = {(r["workload"], r["topology"], r["system"]): r for r in results}
     for r in results:
@@ -248,7 +288,19 @@ def _rows_with_ratios(rows, args):
             r["keras_dist_over_system"] = ours["median_step_seconds"] / r["median_step_seconds"]
             if "startup_seconds" in ours:
                 r["keras_dist_startup_over_system"] = ours["startup_seconds"] / r["startup_seconds"]
+        raw = _raw_keras(index, r["workload"], r["topology"])
+        if r is raw and ours and ours.get("peak_rss_bytes") and raw.get("peak_rss_bytes"):
+            r["keras_dist_rss_over_raw_keras"] = ours["peak_rss_bytes"] / raw["peak_rss_bytes"]
     return results
+
+
+def _raw_keras(index, workload, topology):
+    """Returns the raw Keras 3 row on `topology` that has a peak RSS (`keras`, else `keras_loop`), or None."""
+    for system in RAW_KERAS_SYSTEMS:
+        row = index.get((workload, topology, system))
+        if row and row.get("peak_rss_bytes"):
+            return row
+    return None
 
 
 def print_table(results, args):
@@ -257,11 +309,15 @@ def print_table(results, args):
         print(
             f"\n{workload}: global batch {args.global_batch_size}, {args.steps} steps x {args.epochs} timed epochs "
             f"x {args.repeats} repeats (median step time; spread = range of the repeats' medians / median; "
-            "epochs = range of every epoch's step time / median; load = 1-min load average before each repeat)"
+            "epochs = range of every epoch's step time / median; load = 1-min load average before each repeat; "
+            "peak RSS = the largest worker's, median over repeats; kd RSS / raw = keras-dist's peak RSS over "
+            "raw Keras' (keras, else keras_loop), on that row)"
+            + (f"; table of {args.embedding_rows:,} rows" if workload == "recommender" else "")
         )
         print(
             f"{'topology':<9}{'system':<23}{'ms/step':>9}{'examples/s':>12}{'spread':>8}{'epochs':>8}"
             f"{'vs own 1x1':>12}{'kd / this':>11}{'startup s':>11}{'kd startup / this':>19}"
+            f"{'peak RSS MB':>13}{'kd RSS / raw':>14}"
         )
         for r in results:
             if r["workload"] != workload:
@@ -275,6 +331,8 @@ def print_table(results, args):
                 f"{r['examples_per_second']:>12,.0f}{r['spread'] * 100:>7.0f}%{r['epoch_spread'] * 100:>7.0f}%"
                 f"{ratio('vs_own_1x1'):>12}{ratio('keras_dist_over_system'):>11}{r['startup_seconds']:>11.1f}"
                 f"{ratio('keras_dist_startup_over_system'):>19}"
+                f"{r['peak_rss_bytes'] / 2**20 if 'peak_rss_bytes' in r else float('nan'):>13,.0f}"
+                f"{ratio('keras_dist_rss_over_raw_keras'):>14}"
             )
             epochs = " | ".join(" ".join(f"{s * 1e3:.1f}" for s in repeat) for repeat in r["step_seconds"])
             loads = " ".join(f"{load:.2f}" for load in r["load_averages"] if load is not None)
@@ -328,6 +386,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds over all systems (default 2)")
     parser.add_argument("--global-batch-size", type=int, default=None, help="default 256")
     parser.add_argument(
+        "--embedding-rows", type=int, default=1_000_000, help="rows of the recommender workload's table"
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="check that the suite works, in about a minute: defaults become mlp, 1x1,1x2, keras_dist,keras, "
@@ -349,6 +410,8 @@ def main():
     if args.topologies is None:
         args.topologies = ["1x1", "1x2", "2x1", "2x2"] + (["gpu"] if _gpus_present() else [])
     _check_topologies(args.topologies)
+    if args.embedding_rows < 1:
+        raise SystemExit(f"--embedding-rows: expected a positive number of rows; received {args.embedding_rows}")
     started = time.perf_counter()
     load_before = os.getloadavg()
     print(f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} at start", flush=True)

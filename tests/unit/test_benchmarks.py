@@ -35,8 +35,33 @@ def test_the_suite_quick_mode_measures_every_system_and_epoch(tmp_path):
         assert [len(epochs) for epochs in row["step_seconds"]] == [2], (key, row)  # 1 repeat x 2 timed epochs
         assert row["num_replicas_in_sync"] == int(key[0][-1]), (key, row)
         assert all(load is not None for load in row["load_averages"]), (key, row)
+        assert row["peak_rss_bytes"] > 0, (key, row)
     assert rows[("1x2", "keras")]["keras_dist_over_system"] > 0
+    assert rows[("1x1", "keras")]["keras_dist_rss_over_raw_keras"] > 0, rows[("1x1", "keras")]
+    assert "peak RSS MB" in proc.stdout and "kd RSS / raw" in proc.stdout, proc.stdout
     assert results["machine"]["load_average_start"]
+
+
+@pytest.mark.timeout(400)
+def test_the_suite_measures_the_recommender_workload(tmp_path):
+    """The recommender (an Embedding table, here of 1,000 rows) runs under keras-dist and raw Keras, with peak RSS."""
+    out = tmp_path / "recommender.json"
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "suite.py"),
+        *("--workloads", "recommender", "--topologies", "1x1", "--systems", "keras_dist,keras"),
+        *("--steps", "2", "--epochs", "1", "--repeats", "1", "--global-batch-size", "32"),
+        *("--embedding-rows", "1000", "--json", str(out)),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=360, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(rows) == ["keras", "keras_dist"], rows
+    for system, row in rows.items():
+        assert row["note"] is None, (system, row["note"])
+        assert row["median_step_seconds"] > 0 and [len(epochs) for epochs in row["step_seconds"]] == [1], (system, row)
+        assert row["peak_rss_bytes"] > 0, (system, row)
+        assert row["peak_rss_bytes_per_worker"] == [[row["peak_rss_bytes"]]], (system, row)  # 1 repeat x 1 worker
 
 
 @pytest.mark.timeout(400)
