@@ -9,7 +9,6 @@ variable (layers, optimizer slots, user code) stays valid.
 
 import functools
 
-import numpy as np
 import tensorflow as tf
 from keras.src.backend.common import global_state as keras_global_state
 
@@ -64,12 +63,18 @@ def _needs_rehome(variable, strategy):
 
 
 def _current_value(tf_variable):
-    """Returns the value of `tf_variable` as one NumPy array (summed for on-read sums)."""
+    """Returns the value of `tf_variable` as one tensor (summed for on-read sums).
+
+    A tensor, not a NumPy array: TensorFlow's read shares the variable's buffer,
+    where the NumPy round trip made host copies. Re-homing a 1M x 64 float32
+    table onto 2 replicas peaked at 2 tables more than raw Keras' build with
+    NumPy (`benchmarks/suite.py --workloads recommender`, peak RSS).
+    """
     if isinstance(tf_variable, tf.distribute.DistributedValues):
         strategy = tf_variable._distribute_strategy
         with strategy.scope():
-            return np.asarray(tf_variable.read_value())
-    return np.asarray(tf_variable.numpy())
+            return tf_variable.read_value()
+    return tf_variable.read_value()
 
 
 def rehome(variable, strategy):
