@@ -196,3 +196,80 @@ def test_verify_names_a_coupled_loss_as_the_cause_with_the_fix(mirrored_1x2_cpu)
     assert "'in_batch_softmax'" in report.explanation
     assert "keras_dist.global_batch(in_batch_softmax)" in report.explanation
     assert "batch_coupled_loss" in str(report)
+
+
+class RecommenderNet(keras_dist.DistributedModel):
+    """keras.io's "Collaborative Filtering for Movie Recommendations" as written: `ops.tensordot(u, m, 2)`.
+
+    The tensordot sums the dot products of the whole batch: every example gets one number for the batch.
+    `per_example=True` is the per-example dot product (`ops.sum(u * m, axis=1)`), which couples nothing.
+    """
+
+    def __init__(self, per_example=False, **kwargs):
+        super().__init__(**kwargs)
+        self.per_example = per_example
+        self.users = keras.layers.Embedding(10, 4)
+        self.movies = keras.layers.Embedding(12, 4)
+        self.user_bias = keras.layers.Embedding(10, 1)
+
+    def call(self, inputs):
+        u, m = self.users(inputs[:, 0]), self.movies(inputs[:, 1])
+        dot = ops.sum(u * m, axis=1, keepdims=True) if self.per_example else ops.tensordot(u, m, 2)
+        return ops.sigmoid(dot + self.user_bias(inputs[:, 0]))
+
+
+def _ratings():
+    rs = np.random.RandomState(1)
+    ids = np.stack([rs.randint(0, 10, 24), rs.randint(0, 12, 24)], axis=1).astype("int64")
+    return ids, rs.rand(24, 1).astype("float32")
+
+
+@pytest.mark.parametrize("per_example", [False, True], ids=["tensordot", "per_example"])
+def test_a_model_that_sums_over_the_batch_in_its_call_warns_once(mirrored_1x2_cpu, per_example):
+    x, y = _ratings()
+    model = RecommenderNet(per_example=per_example, strategy=mirrored_1x2_cpu)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy")
+    with pytest.warns() as record:
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    coupled = [str(w.message) for w in record if issubclass(w.category, errors.KerasDistWarning)]
+    if per_example:
+        assert coupled == [], coupled
+        return
+    assert len(coupled) == 1, coupled
+    assert "couples the examples of a batch in its forward pass" in coupled[0]
+    assert "ops.sum(u * m, axis=1)" in coupled[0] and "keras_dist.ops.all_gather" in coupled[0]
+
+
+class _NoisyInInference(keras.layers.Layer):
+    """Draws noise whether training or not (as a VAE's sampling layer does): two passes differ."""
+
+    def call(self, x):
+        return x + keras.random.normal(ops.shape(x))
+
+
+def test_a_model_random_in_inference_or_per_example_is_not_taken_for_a_coupled_one(mirrored_1x2_cpu):
+    inputs = keras.Input((4,))
+    noisy = keras_dist.DistributedModel(
+        inputs, _NoisyInInference()(keras.layers.Dense(3)(inputs)), strategy=mirrored_1x2_cpu
+    )
+    noisy.compile(optimizer="sgd", loss="mse")
+    assert batch_coupling.find_coupled(noisy, (X, POSITIVE, None), 2) == []
+    plain = keras_dist.DistributedModel(inputs, keras.layers.Dense(3)(inputs), strategy=mirrored_1x2_cpu)
+    plain.compile(optimizer="sgd", loss="mse")
+    assert batch_coupling.find_coupled(plain, (X, POSITIVE, None), 2) == []
+    batch_mean = keras_dist.DistributedModel(
+        inputs, keras.layers.Lambda(lambda t: t - ops.mean(t, axis=0))(inputs), strategy=mirrored_1x2_cpu
+    )
+    batch_mean.compile(optimizer="sgd", loss="mse")
+    assert [c.kind for c in batch_coupling.find_coupled(batch_mean, (X, POSITIVE, None), 2)] == ["model"]
+
+
+def test_verify_names_a_model_that_sums_over_the_batch_as_the_cause(mirrored_1x2_cpu):
+    x, y = _ratings()
+    model = RecommenderNet(strategy=mirrored_1x2_cpu)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy")
+    report = keras_dist.verify(model, x, y, batch_size=8, steps=2)
+    assert not report.passed
+    assert report.likely_cause == "batch_coupled_loss", str(report)
+    assert "ops.sum(u * m, axis=1)" in report.explanation
