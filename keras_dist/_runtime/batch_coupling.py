@@ -44,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops, tree
 
+from keras_dist._runtime import gather
 from keras_dist._runtime import keras_internals as ki
 
 RTOL = 1e-4
@@ -232,7 +233,9 @@ def _coupled_model(model, x, num_parts):
     filtering writes `ops.tensordot(u, m, 2)`, a sum over the whole batch) gives
     each replica another value, in `fit`, `evaluate` and `predict`. Two passes
     over the whole must agree first: a model that draws random numbers even
-    when not training gives no verdict.
+    when not training gives no verdict, nor does one whose `call` gathers the
+    batch with `keras_dist.ops.all_gather` (the identity in this pass, outside
+    any step: written for the replicas).
     """
     size = min(int(tree.flatten(x)[0].shape[0]), MODEL_EXAMPLES)
     sizes = [len(p) for p in np.array_split(np.arange(size), num_parts)]
@@ -244,7 +247,10 @@ def _coupled_model(model, x, num_parts):
         return [np.asarray(v, dtype="float64") for v in tree.flatten(model(inputs, training=False))]
 
     try:
+        gathers = gather.calls()
         whole = outputs(x)
+        if gather.calls() != gathers:
+            return []  # Its `call` gathers the batch (identity here, outside a step): written for the replicas.
         if any(_relative_excess(a, b) is not None for a, b in zip(outputs(x), whole)):
             return []  # Random even in inference: the parts could not be told from the draws.
         parts = [outputs(part) for part in _parts(x, sizes)]

@@ -205,15 +205,17 @@ class RecommenderNet(keras_dist.DistributedModel):
     `per_example=True` is the per-example dot product (`ops.sum(u * m, axis=1)`), which couples nothing.
     """
 
-    def __init__(self, per_example=False, **kwargs):
+    def __init__(self, per_example=False, gathered=False, **kwargs):
         super().__init__(**kwargs)
-        self.per_example = per_example
+        self.per_example, self.gathered = per_example, gathered
         self.users = keras.layers.Embedding(10, 4)
         self.movies = keras.layers.Embedding(12, 4)
         self.user_bias = keras.layers.Embedding(10, 1)
 
     def call(self, inputs):
         u, m = self.users(inputs[:, 0]), self.movies(inputs[:, 1])
+        if self.gathered:  # The sum over the global batch, as one device computes it: written for the replicas.
+            u, m = keras_dist.ops.all_gather((u, m))
         dot = ops.sum(u * m, axis=1, keepdims=True) if self.per_example else ops.tensordot(u, m, 2)
         return ops.sigmoid(dot + self.user_bias(inputs[:, 0]))
 
@@ -224,16 +226,20 @@ def _ratings():
     return ids, rs.rand(24, 1).astype("float32")
 
 
-@pytest.mark.parametrize("per_example", [False, True], ids=["tensordot", "per_example"])
-def test_a_model_that_sums_over_the_batch_in_its_call_warns_once(mirrored_1x2_cpu, per_example):
+@pytest.mark.parametrize(
+    "per_example, gathered",
+    [(False, False), (True, False), (False, True)],
+    ids=["tensordot", "per_example", "gathered"],
+)
+def test_a_model_that_sums_over_the_batch_in_its_call_warns_once(mirrored_1x2_cpu, per_example, gathered):
     x, y = _ratings()
-    model = RecommenderNet(per_example=per_example, strategy=mirrored_1x2_cpu)
+    model = RecommenderNet(per_example=per_example, gathered=gathered, strategy=mirrored_1x2_cpu)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy")
     with pytest.warns() as record:
         model.fit(x, y, batch_size=8, epochs=2, verbose=0)
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     coupled = [str(w.message) for w in record if issubclass(w.category, errors.KerasDistWarning)]
-    if per_example:
+    if per_example or gathered:
         assert coupled == [], coupled
         return
     assert len(coupled) == 1, coupled
