@@ -1,4 +1,4 @@
-"""A model, compiled loss or metric that couples the examples of a batch: found once, on the first global batch, and named.
+"""A compiled loss or metric that couples the examples of a batch: found once, on the first global batch, and named.
 
 `fit` and `evaluate` remember where their first global batch can be taken
 without side effects (`remembering_first_batch`); the first train or test
@@ -63,14 +63,6 @@ def check_once(model, *, own_step):
 def message(coupled, num_replicas):
     """The warning for one `batch_coupling.Coupled`: what was seen, why it matters, the fix."""
     difference = "other shapes" if coupled.difference == float("inf") else f"{coupled.difference:.2g}"
-    if coupled.kind == "model":
-        return (
-            f"The model {coupled.name!r} couples the examples of a batch in its forward pass: on the first global "
-            f"batch its outputs (training=False) differ from those computed on each of the {num_replicas} replicas' "
-            f"parts (largest relative difference: {difference}). A layer reduces over the batch axis, so each "
-            "replica computes it on its part only, and fit, evaluate and predict differ from one device's. "
-            f"Fix: {fix(coupled)} (docs/global_batch_losses.md)."
-        )
     seen = (
         f"The compiled {coupled.kind} {coupled.name!r} couples the examples of a batch: on the first global batch "
         f"its values differ from those computed on each of the {num_replicas} replicas' parts (largest relative "
@@ -87,13 +79,6 @@ def message(coupled, num_replicas):
 def fix(coupled):
     """The line to write instead, e.g. "compile(loss=keras_dist.global_batch(in_batch_softmax))"."""
     wrapped = coupled.wrapped
-    if coupled.kind == "model":
-        return (
-            "reduce per example in the layer that sums or averages over the batch (keras.io's collaborative "
-            "filtering: `ops.sum(u * m, axis=1)` for each example's dot product, not `ops.tensordot(u, m, 2)`), "
-            "or, if it must see the whole batch, gather what it reduces with `keras_dist.ops.all_gather` in its "
-            "`call`"
-        )
     if coupled.kind == "loss":
         what = getattr(wrapped, "__name__", None) or f"keras.losses.{type(wrapped).__name__}(...)"
         return f"compile(loss=keras_dist.global_batch({what}))"

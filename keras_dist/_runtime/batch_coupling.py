@@ -1,4 +1,4 @@
-"""Layer 3: does the model, a compiled loss or a metric couple the examples of a batch? A check on one batch, on the host.
+"""Layer 3: does a compiled loss or metric couple the examples of a batch? A check on one batch, on the host.
 
 Under N replicas each replica computes a compiled loss on its part of the
 global batch, and keras-dist combines the parts (weighted by their divisors,
@@ -23,12 +23,6 @@ statelessly). Keras' own metric classes are sums of per-example state: exact.
 No collective runs, no variable is assigned, no random number is drawn;
 any failure of the check itself counts as "not coupled".
 
-The model's own forward pass is checked first, the same way (`_coupled_model`,
-on at most `MODEL_EXAMPLES` examples): a layer that reduces over the batch
-axis couples the examples for every loss, and for `evaluate` and `predict`
-too; its fix is in the model (a per-example reduction, or
-`keras_dist.ops.all_gather` in the layer's `call`), not `global_batch`.
-
 `first_batch` takes that batch where it is cheap and free of side effects:
 the first `batch_size` rows of in-memory arrays, or the first element of a
 `tf.data.Dataset` built only from in-memory tensors with deterministic,
@@ -44,12 +38,10 @@ import numpy as np
 import tensorflow as tf
 from keras import ops, tree
 
-from keras_dist._runtime import gather
 from keras_dist._runtime import keras_internals as ki
 
 RTOL = 1e-4
 MAX_EXAMPLES = 64  # The check's forward pass sees at most this many examples (one device holds them).
-MODEL_EXAMPLES = 16  # The model's own check: 2 passes over this many, 1 over each part of them.
 # Keras' losses and loss functions whose values are per example (Dice, Tversky and Circle couple the batch).
 _PER_EXAMPLE_LOSSES = {
     "MeanSquaredError",
@@ -121,12 +113,12 @@ _SAFE_DATASETS = {
 
 @dataclasses.dataclass(frozen=True)
 class Coupled:
-    """A compiled loss or metric, or the model itself, found to couple the examples of a batch.
+    """A compiled loss or metric found to couple the examples of a batch.
 
     Attributes:
-        kind: `"loss"`, `"metric"`, or `"model"` (the model's own forward pass).
-        name: String, its name (as in the logs; the model's name).
-        wrapped: The object to pass to `keras_dist.global_batch` (the loss, or the metric; the model).
+        kind: `"loss"` or `"metric"`.
+        name: String, its name (as in the logs).
+        wrapped: The object to pass to `keras_dist.global_batch` (the loss, or the metric).
         difference: Python float, the largest relative difference seen (inf: other shapes).
     """
 
@@ -202,15 +194,15 @@ def find_coupled(model, batch, num_parts):
         num_parts: Integer, the replicas the batch is split over.
     """
     x, y, sample_weight = batch
-    found = _coupled_model(model, x, num_parts)
     if y is None or not _anything_to_check(model):
-        return found  # Keras' per-example losses and metrics only: no more forward passes.
+        return []  # Keras' per-example losses and metrics only: no forward pass.
     size = min(int(tree.flatten(x)[0].shape[0]), MAX_EXAMPLES)
     x, y, sample_weight = tree.map_structure(lambda v: None if v is None else v[:size], (x, y, sample_weight))
     sizes = [len(p) for p in np.array_split(np.arange(size), num_parts)]
     if sum(1 for s in sizes if s) < 2:
-        return found
+        return []
     y_pred = model(x, training=False)
+    found = []
     compile_loss = getattr(model, "_compile_loss", None)
     for entry in getattr(compile_loss, "_flat_losses", None) or []:
         path, loss = entry[0], entry[1]
@@ -222,53 +214,6 @@ def find_coupled(model, batch, num_parts):
             found.append(Coupled("loss", loss.name, _unwrapped(loss), difference))
     found.extend(_coupled_metrics(model, y, y_pred, sample_weight, sizes))
     return found
-
-
-def _coupled_model(model, x, num_parts):
-    """`[Coupled("model", ...)]` when the model's forward pass couples the examples of `x`, else `[]`.
-
-    The model's outputs (`training=False`) on the first `MODEL_EXAMPLES`
-    examples against the concatenation of its outputs on the replicas' parts
-    of them: a layer that reduces over the batch axis (keras.io's collaborative
-    filtering writes `ops.tensordot(u, m, 2)`, a sum over the whole batch) gives
-    each replica another value, in `fit`, `evaluate` and `predict`. Two passes
-    over the whole must agree first: a model that draws random numbers even
-    when not training gives no verdict, nor does one whose `call` gathers the
-    batch with `keras_dist.ops.all_gather` (the identity in this pass, outside
-    any step: written for the replicas).
-    """
-    size = min(int(tree.flatten(x)[0].shape[0]), MODEL_EXAMPLES)
-    sizes = [len(p) for p in np.array_split(np.arange(size), num_parts)]
-    if sum(1 for s in sizes if s) < 2:
-        return []
-    x = tree.map_structure(lambda v: None if v is None else v[:size], x)
-
-    def outputs(inputs):
-        return [np.asarray(v, dtype="float64") for v in tree.flatten(model(inputs, training=False))]
-
-    try:
-        gathers = gather.calls()
-        whole = outputs(x)
-        if gather.calls() != gathers:
-            return []  # Its `call` gathers the batch (identity here, outside a step): written for the replicas.
-        if any(_relative_excess(a, b) is not None for a, b in zip(outputs(x), whole)):
-            return []  # Random even in inference: the parts could not be told from the draws.
-        parts = [outputs(part) for part in _parts(x, sizes)]
-    except Exception:  # noqa: BLE001  (a model that cannot run on a part: not for this check to say)
-        return []
-    worst = None
-    for i, expected in enumerate(whole):
-        got = [p[i] for p in parts]
-        if expected.ndim == 0:  # One value for the batch: each part's must be the whole's.
-            difference = float("inf") if any(g.ndim for g in got) else _relative_excess(np.stack(got), expected)
-        elif any(g.ndim == 0 or g.shape[1:] != expected.shape[1:] for g in got):
-            difference = float("inf")
-        else:
-            combined = np.concatenate(got, axis=0)
-            difference = float("inf") if combined.shape != expected.shape else _relative_excess(combined, expected)
-        if difference is not None:
-            worst = difference if worst is None else max(worst, difference)
-    return [] if worst is None else [Coupled("model", model.name, model, worst)]
 
 
 def _anything_to_check(model):

@@ -53,17 +53,6 @@ class ThreadDepth:
 
 
 _weighted_gather = ThreadDepth()  # A gather of this module runs on this thread.
-_CALLS = [0]  # Calls of `all_gather`, `all_gather_without_gradient` and `global_batch_offset`, in any context.
-
-
-def calls():
-    """How many times this module's gathers were called so far, in any context (one device's identity included).
-
-    `batch_coupling` compares it around a forward pass on the host: a model whose
-    `call` gathers the batch itself is written for several replicas, and that
-    pass (outside any step) cannot tell whether it couples them.
-    """
-    return _CALLS[0]
 
 
 def weighted_gathers_running():
@@ -171,7 +160,6 @@ def all_gather(values, axis=0):
         each replica), and in the backward pass one all-reduce of the
         gathered gradient (TensorFlow's gradient).
     """
-    _CALLS[0] += 1
     context = _replica_context()
     if context is None:
         return values
@@ -187,7 +175,6 @@ def all_gather_without_gradient(value, axis=0):
     For labels, sample weights and masks; the identity on one replica, outside
     any strategy and for Keras' symbolic tensors. A collective (one all-gather).
     """
-    _CALLS[0] += 1
     context = _replica_context()
     if context is None or keras.backend.is_keras_tensor(value):
         return value
@@ -215,7 +202,6 @@ def global_batch_offset(values):
         One all-gather of one int32 per replica.
     """
     first = tree.flatten(values)[0]
-    _CALLS[0] += 1
     context = _replica_context()
     if context is None or keras.backend.is_keras_tensor(first):
         return tf.constant(0, tf.int32)

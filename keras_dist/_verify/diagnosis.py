@@ -139,8 +139,8 @@ def _coupled(model, strategy, first_batch):
 
 
 def _batch_coupled_loss(model, e):
-    """A compiled loss, or the model's forward pass, that couples the batch's examples (first: it changes the weights)."""
-    if not any(c.kind in ("loss", "model") for c in e.coupled):
+    """A compiled loss that couples the batch's examples (first: it changes the weights)."""
+    if not any(c.kind == "loss" for c in e.coupled):
         return None
     return _batch_coupled(model, e)
 
@@ -149,14 +149,6 @@ def _batch_coupled(model, e):
     """A compiled loss or metric that couples the batch's examples (a metric: after `_batch_level_metric`)."""
     if not e.coupled:
         return None
-    models = [c for c in e.coupled if c.kind == "model"]
-    if models:
-        return (
-            f"On the first global batch of {e.global_batch_size}, the model {models[0].name!r} gives other outputs "
-            f"(training=False) on each replica's share ({e.share} examples) than on the whole batch: a layer reduces "
-            f"over the batch axis, and each replica computes it on its share only{e.first_step_losses()}. "
-            f"Fix: {coupling.fix(models[0])} (docs/global_batch_losses.md)."
-        )
     named = ", ".join(f"the {c.kind} {c.name!r}" for c in e.coupled)
     fixes = "; ".join(coupling.fix(c) for c in e.coupled)
     return (

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 # What `VerifyReport.likely_cause` can be, with what each means.
 CAUSES = {
-    "batch_coupled_loss": "the model's forward pass, a compiled loss or a metric couples the examples of a batch: each replica computes it on its part",
+    "batch_coupled_loss": "a compiled loss or metric couples the examples of a batch: each replica computes it on its part",
     "unsynchronized_batch_normalization": "BatchNormalization normalizes each replica's share with that share's statistics",
     "random_layers": "Dropout and other random layers draw other numbers on each replica than on one device",
     "global_batch_loss": "a loss written for global-batch scaling, counted again as a per-replica mean",
