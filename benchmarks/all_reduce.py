@@ -46,18 +46,20 @@ import keras_dist
 import keras, numpy as np, tensorflow as tf
 
 repeats, out, rounds, only = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+CURVE_SIZES = [int(s) for s in sys.argv[5].split(",")]
 strategy = keras_dist.resolve_strategy("auto")
 n = strategy.num_replicas_in_sync
 results = {"num_replicas_in_sync": n}
 
 
-def gradient_all_reduce():
-    """keras-dist's all_reduce_gradients on 64 MB in 16 float32 tensors, variants interleaved."""
+def gradient_all_reduce(layout):
+    """keras-dist's all_reduce_gradients on 64 MB of float32 (`layout`: 16 tensors or one), variants interleaved."""
     from keras_dist.collectives import _all_reduce
 
     size = 64 * 2**20
-    gradients = [tf.ones([size // 4 // 16]) for _ in range(16)]
-    variants = {"tensorflow_all_reduce pack=0": None}
+    count = 16 if layout == "16x4MB" else 1
+    gradients = [tf.ones([size // 4 // count]) for _ in range(count)]
+    variants = {"tensorflow_all_reduce pack=0": 0, "tensorflow_all_reduce pack=8MB": 8 * 2**20}
     for compression in (None, "fp16", "bf16"):
         for pack in ("auto", 0, 4, 8, 16):
             name = f"keras_dist compression={compression} pack={pack}" + ("" if pack == "auto" else "MB")
@@ -68,8 +70,9 @@ def gradient_all_reduce():
             )
     steps = {}
     for name, options in variants.items():
-        if options is None:
-            fn = lambda: tf.distribute.get_replica_context().all_reduce("SUM", gradients)
+        if isinstance(options, int):  # TensorFlow's own packing (whole tensors, at least `bytes_per_pack` a pack)
+            tf_options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=options)
+            fn = lambda tf_options=tf_options: tf.distribute.get_replica_context().all_reduce("SUM", gradients, options=tf_options)
         else:
             fn = lambda options=options: _all_reduce.all_reduce_gradients(gradients, options)[0]
         steps[name] = tf.function(lambda fn=fn: strategy.run(fn))
@@ -88,8 +91,42 @@ def gradient_all_reduce():
     }
 
 
-if only == "gradients":
-    results["gradients_64MB"] = gradient_all_reduce()
+def curve():
+    """Bus bandwidth of one float32 tensor from 1 KB to 256 MB: TensorFlow's all-reduce vs keras-dist's gradient all-reduce."""
+    from keras_dist.collectives import _all_reduce
+
+    options = keras_dist.CommunicationOptions()  # "auto": 8 MiB windows between CPU workers
+    rows = {}
+    for size in CURVE_SIZES:
+        value = tf.ones([size // 4])
+        steps = {
+            "tensorflow": tf.function(lambda: strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", [value]))),
+            "keras_dist": tf.function(lambda: strategy.run(lambda: _all_reduce.all_reduce_gradients([value], options)[0])),
+        }
+        for step in steps.values():
+            step()
+        calls = max(2, min(200, int(0.3 * 300e6 / size)))  # about 0.3 s a measurement at 300 MB/s
+        times = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, step in steps.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    out = step()
+                tf.nest.flatten(out)[0].numpy()
+                times[name].append((time.perf_counter() - start) / calls)
+        rows[size] = {
+            name: {"seconds": sorted(t)[len(t) // 2], "all_rounds": t, "busbw_MBps": size * 2 * (n - 1) / n / sorted(t)[len(t) // 2] / 2**20}
+            for name, t in times.items()
+        }
+    return rows
+
+
+if only in ("gradients", "curve"):
+    if only == "gradients":
+        results["gradients_64MB"] = gradient_all_reduce("16x4MB")
+        results["gradients_64MB_one_tensor"] = gradient_all_reduce("1x64MB")
+    else:
+        results["curve"] = curve()
     if keras_dist.is_chief():
         json.dump(results, open(out, "w"))
     sys.exit(0)
@@ -137,7 +174,8 @@ for _ in range(3):  # interleaved, median reported: one worker process per core 
 for k, seconds in timings.items():
     results[f"accumulation_k{k}_seconds_per_step"] = sorted(seconds)[1]
     results[f"accumulation_k{k}_all_runs"] = seconds
-results["gradients_64MB"] = gradient_all_reduce()
+results["gradients_64MB"] = gradient_all_reduce("16x4MB")
+results["gradients_64MB_one_tensor"] = gradient_all_reduce("1x64MB")
 if keras_dist.is_chief():
     json.dump(results, open(out, "w"))
 '''
@@ -173,18 +211,73 @@ def loopback_tcp_MBps(total=256 * 2**20, chunk=2**20):
     return received[0] / seconds / 2**20
 
 
+def loopback_tcp_curve(sizes, seconds=0.3):
+    """MB/s (2**20 bytes) of one TCP stream over 127.0.0.1 for each message size: send `size` bytes, wait for a 1-byte reply.
+
+    The reply makes each figure a round trip, as one all-reduce is; a median of 3 timings of about `seconds` each.
+    """
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def serve():
+        buffer = memoryview(bytearray(2**22))
+        connection, _ = server.accept()
+        with connection:
+            while True:
+                header = connection.recv(8, socket.MSG_WAITALL)
+                if len(header) < 8:
+                    return
+                left = int.from_bytes(header, "little")
+                while left:
+                    left -= connection.recv_into(buffer, min(left, len(buffer)))
+                connection.sendall(b"\1")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = socket.create_connection(server.getsockname())
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rates = {}
+    for size in sizes:
+        payload = memoryview(bytearray(size))
+        calls = max(2, min(2000, int(seconds * 2e9 / size)))
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(calls):
+                client.sendall(size.to_bytes(8, "little"))
+                client.sendall(payload)
+                client.recv(1)
+            timings.append((time.perf_counter() - start) / calls)
+        rates[size] = size / sorted(timings)[1] / 2**20
+    client.close()
+    thread.join(timeout=10)
+    server.close()
+    return rates
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the gradient all-reduce variants")
     parser.add_argument(
-        "--only", choices=["all", "gradients"], default="all", help="run every section, or the gradient all-reduce only"
+        "--only",
+        choices=["all", "gradients", "curve"],
+        default="all",
+        help="every section; the gradient all-reduce only; or the bus-bandwidth curve (1 KB to 256 MB) only",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=",".join(str(4**k * 1024) for k in range(10)),
+        help="bytes of the curve's tensors, comma-separated (default 1 KB to 256 MB, x4 steps)",
     )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1"}
     env.pop("TF_CONFIG", None)
+    load_start = os.getloadavg()
     tcp = loopback_tcp_MBps()
+    sizes = [int(x) for x in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         script, out = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
         with open(script, "w") as f:
@@ -201,18 +294,42 @@ def main():
             out,
             str(args.rounds),
             args.only,
+            args.sizes,
         ]
         subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
         with open(out) as f:
             results = json.load(f)
     results["loopback_tcp_MBps"] = tcp
     print(f"2 workers x 1 CPU replica on loopback; loopback TCP (1 stream): {tcp:,.0f} MB/s\n")
-    gradients = results["gradients_64MB"]
-    print(f"{'gradient all-reduce, 64 MB float32 in 16 tensors':<50}{'seconds':>10}{'effective MB/s':>16}{'/ TCP':>8}")
-    for name, r in gradients.items():
+    if args.only == "curve":
+        tcp_curve = loopback_tcp_curve(sizes)
+        results["loopback_tcp_curve_MBps"] = {str(k): v for k, v in tcp_curve.items()}
         print(
-            f"{name:<50}{r['seconds']:>10.4f}{r['effective_busbw_MBps']:>16,.0f}{r['effective_busbw_MBps'] / tcp:>7.2f}x"
+            f"{'bytes':>12}{'TensorFlow busbw':>18}{'keras-dist busbw':>18}{'loopback TCP':>14}{'kd / TF':>9}{'kd / TCP':>10}"
         )
+        for size in sizes:
+            row = results["curve"][str(size)]
+            tf_bw, kd_bw, tcp_bw = row["tensorflow"]["busbw_MBps"], row["keras_dist"]["busbw_MBps"], tcp_curve[size]
+            print(
+                f"{size:>12,}{tf_bw:>18,.1f}{kd_bw:>18,.1f}{tcp_bw:>14,.0f}{kd_bw / tf_bw:>8.2f}x{kd_bw / tcp_bw:>9.3f}x"
+            )
+        earlier = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "all_reduce.json")
+        if os.path.exists(earlier):  # TensorFlow's one-tensor figures of the committed earlier run, for the plot
+            with open(earlier) as f:
+                old = json.load(f)
+            results["earlier_run_tensorflow_MBps"] = {
+                str(mb * 2**20): old[f"allreduce_{mb}MB"]["busbw_MBps"]
+                for mb in (1, 16, 64)
+                if f"allreduce_{mb}MB" in old
+            }
+        results["load_average_start"], results["load_average_end"] = load_start, os.getloadavg()
+        print(f"load average (1, 5, 15 min): {load_start} at the start, {results['load_average_end']} at the end")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
+    for key, label in (("gradients_64MB", "in 16 tensors"), ("gradients_64MB_one_tensor", "in one tensor")):
+        _print_gradients(results[key], f"gradient all-reduce, 64 MB float32 {label}", tcp)
     if args.only == "gradients":
         if args.json:
             with open(args.json, "w") as f:
@@ -235,6 +352,15 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def _print_gradients(gradients, title, tcp):
+    print(f"{title:<50}{'seconds':>10}{'effective MB/s':>16}{'/ TCP':>8}")
+    for name, r in gradients.items():
+        print(
+            f"{name:<50}{r['seconds']:>10.4f}{r['effective_busbw_MBps']:>16,.0f}{r['effective_busbw_MBps'] / tcp:>7.2f}x"
+        )
+    print()
 
 
 if __name__ == "__main__":

@@ -89,14 +89,16 @@ def _packs(train_function):
 
 
 def _carried(nodes, reduce):
-    """The names of the values packed into `reduce` (through its concat and reshapes; a gradient's scaling)."""
+    """The names of the values packed into `reduce` (through its concat, reshapes and slices; a gradient's scaling)."""
     concat = nodes.get(reduce.input[0].split(":")[0])
+    while concat is not None and concat.op in ("Reshape", "Identity") and concat.input:  # TensorFlow's one-tensor pack
+        concat = nodes.get(concat.input[0].split(":")[0])
     if concat is None or concat.op != "ConcatV2":
-        return [reduce.input[0]]
+        return [reduce.name, [reduce.input[0]]]
     carried = []
     for name in concat.input[:-1]:
         node = nodes.get(name.split(":")[0])
-        while node is not None and node.op in ("Reshape", "Mul", "Identity", "Cast") and node.input:
+        while node is not None and node.op in ("Reshape", "Mul", "Identity", "Cast", "StridedSlice") and node.input:
             node = nodes.get(node.input[0].split(":")[0])
         carried.append("?" if node is None else node.name.replace("gradient_tape/", "grad:"))
     return [reduce.name, carried]

@@ -1,10 +1,11 @@
 """Draws the documentation's figures from benchmark JSON (no measuring here).
 
     python benchmarks/all_reduce.py --json benchmarks/results/all_reduce.json
+    python benchmarks/all_reduce.py --only curve --json benchmarks/results/all_reduce_curve.json
     python benchmarks/loss_curves.py --json benchmarks/results/loss_curves.json
     python benchmarks/suite.py --systems keras_dist,keras,keras_loop,tf_keras,jax,keras_dist_tf_threads \
         --steps 10 --epochs 3 --json benchmarks/results/suite.json
-    python benchmarks/plot.py            # writes docs/images/*.png (--figure all_reduce|loss_curves|suite_scaling|suite_one_collective: one)
+    python benchmarks/plot.py            # writes docs/images/*.png (--figure all_reduce|busbw_curve|loss_curves|suite_scaling|suite_one_collective: one)
 
 Each figure is drawn from the JSON a benchmark wrote, so the docs show what was measured.
 """
@@ -34,6 +35,37 @@ def all_reduce_figure(results, path):
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def busbw_curve_figure(results, path):
+    """Bus bandwidth of one float32 tensor, 1 KB to 256 MB: TensorFlow, keras-dist, loopback TCP, and the earlier run."""
+    sizes = sorted(int(size) for size in results["curve"])
+    figure, axis = plt.subplots(figsize=(5.6, 3.6))
+    for name, label, color in (
+        ("tensorflow", "TensorFlow all_reduce (one collective)", "#4a7ebb"),
+        ("keras_dist", "keras-dist gradient all-reduce (8 MiB windows)", "#9bbb59"),
+    ):
+        axis.plot(sizes, [results["curve"][str(s)][name]["busbw_MBps"] for s in sizes], "o-", color=color, label=label)
+    tcp = results["loopback_tcp_curve_MBps"]
+    axis.plot(sizes, [tcp[str(s)] for s in sizes], "--", color="#c0504d", label="loopback TCP, same sizes")
+    earlier = results.get("earlier_run_tensorflow_MBps", {})
+    if earlier:
+        points = sorted((int(size), bw) for size, bw in earlier.items())
+        axis.plot(*zip(*points), "x", color="#4a7ebb", markersize=8, label="TensorFlow, earlier run (all_reduce.json)")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xticks(sizes, [_bytes_label(s) for s in sizes], fontsize=7)
+    axis.set_xlabel("bytes per all-reduce (float32)")
+    axis.set_ylabel("bus bandwidth, MB/s (2**20)")
+    axis.set_title("2 workers x 1 CPU replica, gRPC ring on loopback", fontsize=9)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _bytes_label(size):
+    return f"{size // 2**20} MB" if size >= 2**20 else f"{size // 1024} KB"
 
 
 def loss_curves_figure(results, path):
@@ -113,6 +145,7 @@ def scaling_figure(suite, path):
 
 FIGURES = {  # name: (results file, drawing function, image file)
     "all_reduce": ("all_reduce.json", all_reduce_figure, "all_reduce_busbw.png"),
+    "busbw_curve": ("all_reduce_curve.json", busbw_curve_figure, "all_reduce_curve.png"),
     "loss_curves": ("loss_curves.json", loss_curves_figure, "loss_curves.png"),
     "suite_scaling": ("suite.json", scaling_figure, "suite_scaling.png"),
     "suite_one_collective": ("suite_one_collective.json", scaling_figure, "suite_one_collective.png"),

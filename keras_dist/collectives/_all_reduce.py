@@ -2,6 +2,8 @@
 
 import tensorflow as tf
 
+from keras_dist.collectives import _buckets
+
 GRADIENT_STRUCTURE_MISMATCH = "keras-dist: the workers disagree on which variables receive a gradient"
 
 
@@ -209,16 +211,11 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
         side.append(sparse_row_counts(to_send, context.replica_id_in_sync_group, context.num_replicas_in_sync))
     to_send = compress(to_send, options)
     together = all(v.dtype == tf.float32 for v in to_send if not isinstance(v, tf.IndexedSlices))
-    # TensorFlow's collective all-reduce (`CollectiveAllReduce`: between workers, and MirroredStrategy's
-    # default on CPUs) reverses the dense values before packing them (`bytes_per_pack`) and launches the
-    # packs in that order, so that the last layers' gradients, which the backward pass computes first,
-    # travel first (DDP's bucket order; TF 2.18-2.21 checked). Handed the side values first and the
-    # gradients in variable order, the first pack waits only for the last layers' gradients, and the
-    # side values (counts, flags, metric state) travel in the last pack.
+    # With `bytes_per_pack` > 0 the dense values travel in windows of that many bytes, the last layers'
+    # gradients first and the side values (counts, flags, metric state) in the last window (`_buckets`).
     reduced, side_sums = [], []
     if together and (to_send or side):
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, side + to_send, options=options.to_tensorflow())
-        side_sums, reduced = list(reduced[: len(side)]), reduced[len(side) :]
+        side_sums, reduced = _sum(context, to_send, options, side)
     elif not together and side:
         side_sums = context.all_reduce(tf.distribute.ReduceOp.SUM, side, options=options.to_tensorflow())
     if num_sparse:
@@ -232,7 +229,7 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     if not together and to_send:
         with tf.control_dependencies(checks):  # Nothing is sent before the workers agree.
             to_send = [_after_checks(v) for v in to_send]
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, to_send, options=options.to_tensorflow())
+        _, reduced = _sum(context, to_send, options)
     result = list(gradients)
     with tf.control_dependencies(checks):  # Nothing summed is used unless the workers agree.
         for i, value in zip(present, reduced):
@@ -244,6 +241,35 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
                 result[i] = _scaled(result[i], factor)
         side_sums = [tf.identity(s) for s in side_sums]
     return result, side_sums
+
+
+def _sum(context, values, options, side=()):
+    """`(summed side, summed values)`: in windows (`_buckets`) when `options.bytes_per_pack` > 0, else in one call.
+
+    Sparse values are all-gathered as rows by TensorFlow in a call of their own, after the windows.
+    Values without a static size go in one call, as TensorFlow packs them (one pack).
+    """
+    side, values = list(side), list(values)
+    dense = [i for i, v in enumerate(values) if not isinstance(v, tf.IndexedSlices)]
+    sparse = [i for i, v in enumerate(values) if isinstance(v, tf.IndexedSlices)]
+    dense_values = [values[i] for i in dense]
+    if not options.bytes_per_pack or not _buckets.has_static_sizes(side + dense_values):
+        # TensorFlow's collective all-reduce reverses the dense values before packing them and launches the
+        # packs in that order (TF 2.18-2.21 checked): handed the side values first and the gradients in
+        # variable order, the last layers' gradients go first and the side values last.
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, side + values, options=options.to_tensorflow())
+        return list(summed[: len(side)]), list(summed[len(side) :])
+    side_sums, dense_sums = _buckets.all_reduce_in_windows(context, dense_values, options, side)
+    result = [None] * len(values)
+    for i, value in zip(dense, dense_sums):
+        result[i] = value
+    if sparse:
+        summed = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, [values[i] for i in sparse], options=options.to_tensorflow()
+        )
+        for i, value in zip(sparse, summed):
+            result[i] = value
+    return side_sums, result
 
 
 def densified(gradients, options):

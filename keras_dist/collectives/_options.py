@@ -40,16 +40,23 @@ class CommunicationOptions:
             between hosts) or `"nccl"` (GPUs only). `MirroredStrategy` on one
             worker uses its own cross-device ops (NCCL on GPUs) and ignores it.
             Defaults to `"auto"`.
-        bytes_per_pack: Integer, in bytes, or `"auto"`: gradients are packed
-            into chunks of about this size, each all-reduced in one collective
-            (fewer, larger messages for many small tensors; several chunks in
-            flight for large ones). `0` is TensorFlow's default: one chunk.
-            `"auto"` is `AUTO_BYTES_PER_PACK_BETWEEN_CPU_WORKERS` (8 MiB) under
+        bytes_per_pack: Integer, in bytes, or `"auto"`: the size of the
+            windows (DDP's buckets) the dense gradients are summed in. The
+            gradients are read as one stream, the last layer's first, and
+            cut into windows of exactly this many bytes, each summed by one
+            collective in that order; a gradient larger than a window spans
+            several, and the side values (example counts, checks, metric
+            sums) ride in the last window (`keras_dist/collectives/_buckets.py`).
+            Windows change which values travel together, never a sum. `0`:
+            TensorFlow's default, everything in one collective. `"auto"` is
+            `AUTO_BYTES_PER_PACK_BETWEEN_CPU_WORKERS` (8 MiB) under
             `MultiWorkerMirroredStrategy` on CPUs (gRPC ring), where 8 MiB
-            chunks summed 64 MB of float32 gradients 1.4x-1.7x faster than
-            one chunk between 2 local workers in three runs
-            (`benchmarks/all_reduce.py --only gradients`), and `0` elsewhere (NCCL, one machine), where
-            nothing was measured. Defaults to `"auto"`.
+            messages are summed faster than larger ones between 2 local
+            workers (`benchmarks/all_reduce.py`: 64 MB of float32 as 16
+            tensors, 1.4x-1.7x faster than one collective in three runs; as
+            one tensor, 1.8x), and `0` elsewhere (NCCL, one machine), where
+            nothing was measured. Small windows cost one collective's latency
+            each (about 1.5 ms between CPU workers). Defaults to `"auto"`.
         timeout_seconds: Float, in seconds, or `None`: a collective that
             does not complete in time fails with `DeadlineExceededError`
             instead of waiting forever (multi-worker only). Defaults to `None`.

@@ -1,26 +1,27 @@
-"""The gradient all-reduce's packs: last layers first, side values last, the same numbers (issue 23 item 1).
+"""The gradient all-reduce's windows: last layers first, large gradients in parts, side values in the last window.
 
-TensorFlow's collective all-reduce reverses the values of one `all_reduce` call before packing
-them (`bytes_per_pack`) and launches the packs in that order; the backward pass computes the last
-layers' gradients first. So keras-dist hands TensorFlow the side values (example counts, structure
-flags, metric state) first and the gradients in variable order: the first pack holds the last
-layers' gradients and waits only for them, and the side values travel last. Packing changes which values travel together, never the sums: a run with
-many small packs equals a run with one pack, bit for bit, on 2 replicas.
+With `bytes_per_pack` > 0, keras-dist reads the dense gradients as one stream, the last variable's
+first, cuts it into windows of exactly that many bytes (a gradient larger than a window spans
+several) and sums each window with one collective, in stream order; the side values (example
+counts, structure flags, metric state) ride in the last window (`keras_dist/collectives/_buckets.py`,
+issue 23 item 1). Windows change which values travel together, never the sums: a run with many small
+windows equals a run with one pack, bit for bit, on 2 replicas.
 """
+
+import random
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_dist
-from keras_dist.collectives import _all_reduce
+from keras_dist.collectives import _all_reduce, _buckets
 
 
-def test_the_first_pack_holds_the_last_variables_gradients_and_the_side_values_the_last(mirrored_1x2_cpu_collective):
-    # What TensorFlow launches, not what keras-dist hands it: the collectives in the order the graph
-    # creates them (the order they are launched in), each pack's size. TensorFlow reverses the list it
-    # is given before packing, so handing it the gradients last-variable-first (as an earlier version
-    # did) put the first layer's gradient and the side values in the first pack.
+def test_the_windows_are_launched_last_variable_first_with_the_side_values_in_the_last(mirrored_1x2_cpu_collective):
+    # What TensorFlow launches: the collectives in the order the graph creates them (the order they are
+    # launched in, TensorFlow orders the collectives of a step) and each one's size in floats.
     strategy = mirrored_1x2_cpu_collective
     sizes = [7, 8, 9]  # a, b, c in variable order; the side values are 6 (extras), 1 (count), 6 (flags)
 
@@ -28,7 +29,7 @@ def test_the_first_pack_holds_the_last_variables_gradients_and_the_side_values_t
         gradients = [tf.fill([n], float(i + 1)) for i, n in enumerate(sizes)]
         return _all_reduce.all_reduce_gradients(
             gradients,
-            keras_dist.CommunicationOptions(bytes_per_pack=1),  # every value in a pack of its own
+            keras_dist.CommunicationOptions(bytes_per_pack=36),  # 9 floats a window
             names=["a", "b", "c"],
             num_examples=2,
             extras=[tf.ones([6])],
@@ -41,8 +42,9 @@ def test_the_first_pack_holds_the_last_variables_gradients_and_the_side_values_t
         for op in graph.get_operations()
         if op.type == "CollectiveReduceV2" and op.device.endswith("CPU:0")
     ]
-    assert packs[:3] == [9, 8, 7], packs  # the last variable's gradient first, the first variable's third
-    assert sorted(packs[3:]) == [1, 6, 6], packs  # the example count, the extras and the flags after them
+    # c (9); b (8) and a's first element (1); a's other 6 with the 13 side values. Before the windows,
+    # TensorFlow's packing sent [9, 8, 7] and then the side values in a collective of their own.
+    assert packs == [9, 9, 6 + 13], packs
     summed, extras = function()
     for i, value in enumerate(summed):  # in variable order; each replica's mean counted by its examples
         for local in strategy.experimental_local_results(value):
@@ -50,25 +52,87 @@ def test_the_first_pack_holds_the_last_variables_gradients_and_the_side_values_t
     np.testing.assert_array_equal(strategy.experimental_local_results(extras[0])[0].numpy(), np.full([6], 2.0))
 
 
-def _trained_weights(strategy, bytes_per_pack):
+def test_the_plan_cuts_a_large_value_into_windows_and_keeps_the_side_values_whole():
+    f32 = tf.float32
+    # 10 MiB of float32 in 4 MiB windows: 4 MiB, 4 MiB, then the last 2 MiB with the side values.
+    mib = 2**20 // 4
+    assert _buckets.plan_windows([10 * mib], [f32], 4 * 2**20, side_sizes=[3]) == [
+        [("value", 0, 0, 4 * mib)],
+        [("value", 0, 4 * mib, 8 * mib)],
+        [("value", 0, 8 * mib, 10 * mib), ("side", 0, 0, 3)],
+    ]
+    # A full last window still takes the side values (one collective fewer), larger than the window.
+    assert _buckets.plan_windows([4], [f32], 16, side_sizes=[2]) == [[("value", 0, 0, 4), ("side", 0, 0, 2)]]
+    # A change of dtype closes the window; float16 side values are not possible, float32 ones go last.
+    assert _buckets.plan_windows([2, 3], [f32, tf.float16], 64, side_sizes=[1]) == [
+        [("value", 1, 0, 3)],
+        [("value", 0, 0, 2), ("side", 0, 0, 1)],
+    ]
+    assert _buckets.plan_windows([2], [tf.float16], 64, side_sizes=[1]) == [[("value", 0, 0, 2)], [("side", 0, 0, 1)]]
+    assert _buckets.plan_windows([], [], 64, side_sizes=[5]) == [[("side", 0, 0, 5)]]
+    with pytest.raises(ValueError, match="bytes_per_pack"):
+        _buckets.plan_windows([1], [f32], 0)
+
+
+def test_every_element_travels_once_and_no_window_exceeds_its_size():
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.choice([0, 1, 3, 64, 1000, 5000]) for _ in range(rng.randint(1, 6))]
+        dtypes = [rng.choice([tf.float32, tf.float32, tf.bfloat16]) for _ in sizes]
+        window_bytes = rng.choice([4, 16, 100, 4096, 10**6])
+        windows = _buckets.plan_windows(sizes, dtypes, window_bytes, side_sizes=[2])
+        seen = {i: [] for i in range(len(sizes))}
+        for window in windows:
+            assert window, windows
+            values = [p for p in window if p[0] == "value"]
+            assert len({dtypes[i] for _, i, _, _ in values}) <= 1
+            if values and not any(p[0] == "side" for p in window):
+                assert sum((b - a) * dtypes[i].size for _, i, a, b in values) <= max(window_bytes, 4)
+            for _, i, a, b in values:
+                seen[i].append((a, b))
+        for i, n in enumerate(sizes):  # in order, contiguous, complete
+            assert [a for a, _ in seen[i]] == sorted(a for a, _ in seen[i])
+            assert sum(b - a for a, b in seen[i]) == n and all(b > a for a, b in seen[i])
+        # Stream order: the last value's elements travel first.
+        order = [i for w in windows for kind, i, _, _ in w if kind == "value"]
+        assert order == sorted(order, reverse=True)
+        assert [p for p in windows[-1] if p[0] == "side"] == [("side", 0, 0, 2)]
+
+
+def _trained_weights(strategy, bytes_per_pack, compression=None, embedding=False):
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((20,))
-    hidden = keras.layers.Dense(64, activation="relu")(keras.layers.Dense(64, activation="relu")(inputs))
+    rs = np.random.RandomState(1)
+    if embedding:  # token ids: the table's gradient is rows (all-gathered, outside the windows)
+        inputs = keras.Input((5,), dtype="int32")
+        features = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 16)(inputs))
+        x = rs.randint(0, 50, (70, 5)).astype("int32")
+    else:
+        inputs = keras.Input((20,))
+        features = inputs
+        x = rs.rand(70, 20).astype("float32")
+    hidden = keras.layers.Dense(64, activation="relu")(keras.layers.Dense(64, activation="relu")(features))
     model = keras_dist.DistributedModel(
         inputs,
         keras.layers.Dense(3)(hidden),
         strategy=strategy,
-        communication=keras_dist.CommunicationOptions(bytes_per_pack=bytes_per_pack),
+        communication=keras_dist.CommunicationOptions(bytes_per_pack=bytes_per_pack, compression=compression),
     )
     model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rs = np.random.RandomState(1)
-    x, y = rs.rand(70, 20).astype("float32"), rs.randint(0, 3, 70)
+    y = rs.randint(0, 3, 70)
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     return [w.numpy() for w in model.weights]
 
 
-def test_small_packs_give_the_same_weights_bit_for_bit_as_one_pack(mirrored_1x2_cpu_collective):
-    one_pack = _trained_weights(mirrored_1x2_cpu_collective, 0)
-    small_packs = _trained_weights(mirrored_1x2_cpu_collective, 1024)  # 1 KB: most tensors in a pack of their own
-    for a, b in zip(one_pack, small_packs):
+@pytest.mark.parametrize(
+    "compression, embedding",
+    [(None, False), ("fp16", False), (None, True)],
+    ids=["float32", "fp16-compressed", "with-embedding-rows"],
+)
+def test_small_windows_give_the_same_weights_bit_for_bit_as_one_pack(
+    mirrored_1x2_cpu_collective, compression, embedding
+):
+    one_pack = _trained_weights(mirrored_1x2_cpu_collective, 0, compression, embedding)
+    # 1 KB: the 64x64 kernel spans 16 windows, most values share a window with a neighbour's part.
+    small_windows = _trained_weights(mirrored_1x2_cpu_collective, 1024, compression, embedding)
+    for a, b in zip(one_pack, small_windows):
         np.testing.assert_array_equal(a, b)
