@@ -93,10 +93,10 @@ def _carried(nodes, reduce):
     concat = nodes.get(reduce.input[0].split(":")[0])
     while concat is not None and concat.op in ("Reshape", "Identity") and concat.input:  # TensorFlow's one-tensor pack
         concat = nodes.get(concat.input[0].split(":")[0])
-    if concat is None or concat.op != "ConcatV2":
+    if concat is None:
         return [reduce.name, [reduce.input[0]]]
     carried = []
-    for name in concat.input[:-1]:
+    for name in concat.input[:-1] if concat.op == "ConcatV2" else [concat.name]:  # a window of one piece: no concat
         node = nodes.get(name.split(":")[0])
         while node is not None and node.op in ("Reshape", "Mul", "Identity", "Cast", "StridedSlice") and node.input:
             node = nodes.get(node.input[0].split(":")[0])
