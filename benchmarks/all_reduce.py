@@ -121,6 +121,36 @@ def curve():
     return rows
 
 
+def memory(variant):
+    """Peak RSS (bytes, `ru_maxrss`) of this worker around 3 all-reduces of one 256 MB float32 gradient under `variant`."""
+    import resource
+
+    from keras_dist.collectives import _all_reduce
+
+    value = tf.random.uniform([64 * 2**20])  # 256 MB, one gradient
+    value.numpy()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if variant == "tensorflow":
+        fn = lambda: tf.distribute.get_replica_context().all_reduce("SUM", [value])
+    else:
+        compression, pack = variant.split(":")
+        options = keras_dist.CommunicationOptions(
+            compression=None if compression == "none" else compression, bytes_per_pack=pack if pack == "auto" else int(pack)
+        )
+        fn = lambda: _all_reduce.all_reduce_gradients([value], options)[0]
+    step = tf.function(lambda: strategy.run(fn))
+    for _ in range(3):
+        tf.nest.flatten(step())[0].numpy()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_rss_before_bytes": before, "peak_rss_after_bytes": after, "gradient_bytes": 256 * 2**20}
+
+
+if only.startswith("memory:"):
+    results["memory"] = memory(only[len("memory:") :])
+    if keras_dist.is_chief():
+        json.dump(results, open(out, "w"))
+    sys.exit(0)
+
 if only in ("gradients", "curve"):
     if only == "gradients":
         results["gradients_64MB"] = gradient_all_reduce("16x4MB")
@@ -256,15 +286,51 @@ def loopback_tcp_curve(sizes, seconds=0.3):
     return rates
 
 
+def _launch(args, only, env):
+    """Runs the worker script on 2 local workers (`keras-dist launch`); returns the chief's results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script, out = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
+        with open(script, "w") as f:
+            f.write(WORKER)
+        command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", script]
+        command += [str(args.repeats), out, str(args.rounds), only, args.sizes]
+        subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
+        with open(out) as f:
+            return json.load(f)
+
+
+MEMORY_VARIANTS = ["tensorflow", "none:0", "none:auto", "none:1048576", "fp16:0", "fp16:auto"]
+
+
+def _memory_report(args, env):
+    """Peak RSS of the chief around one 256 MB gradient's all-reduce, each variant in fresh workers."""
+    load_start = os.getloadavg()
+    rows = {variant: _launch(args, f"memory:{variant}", env)["memory"] for variant in MEMORY_VARIANTS}
+    print("one 256 MB float32 gradient, 3 all-reduces, 2 workers x 1 CPU replica; the chief's peak RSS")
+    print(f"{'variant (compression:bytes_per_pack)':<40}{'before MB':>11}{'after MB':>10}{'added / gradient':>18}")
+    for variant, row in rows.items():
+        added = (row["peak_rss_after_bytes"] - row["peak_rss_before_bytes"]) / row["gradient_bytes"]
+        row["added_over_gradient"] = added
+        before, after = row["peak_rss_before_bytes"] / 2**20, row["peak_rss_after_bytes"] / 2**20
+        print(f"{variant:<40}{before:>11,.0f}{after:>10,.0f}{added:>17.2f}x")
+    print(f"load average (1, 5, 15 min): {load_start} at the start, {os.getloadavg()} at the end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"memory": rows, "load_average_start": load_start, "load_average_end": os.getloadavg()}, f, indent=2
+            )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the gradient all-reduce variants")
     parser.add_argument(
         "--only",
-        choices=["all", "gradients", "curve"],
+        choices=["all", "gradients", "curve", "memory"],
         default="all",
-        help="every section; the gradient all-reduce only; or the bus-bandwidth curve (1 KB to 256 MB) only",
+        help="every section; the gradient all-reduce only; the bus-bandwidth curve (1 KB to 256 MB) only; or the "
+        "peak memory of one 256 MB gradient's all-reduce only",
     )
     parser.add_argument(
         "--sizes",
@@ -278,27 +344,10 @@ def main():
     load_start = os.getloadavg()
     tcp = loopback_tcp_MBps()
     sizes = [int(x) for x in args.sizes.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        script, out = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
-        with open(script, "w") as f:
-            f.write(WORKER)
-        command = [
-            sys.executable,
-            "-m",
-            "keras_dist.cli",
-            "launch",
-            "--num-workers",
-            "2",
-            script,
-            str(args.repeats),
-            out,
-            str(args.rounds),
-            args.only,
-            args.sizes,
-        ]
-        subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
-        with open(out) as f:
-            results = json.load(f)
+    if args.only == "memory":
+        _memory_report(args, env)
+        return
+    results = _launch(args, args.only, env)
     results["loopback_tcp_MBps"] = tcp
     print(f"2 workers x 1 CPU replica on loopback; loopback TCP (1 stream): {tcp:,.0f} MB/s\n")
     if args.only == "curve":

@@ -50,7 +50,8 @@ def plan_windows(sizes, dtypes, bytes_per_pack, side_sizes=()):
         of pieces `(kind, index, start, stop)`: elements `[start, stop)` of
         the flattened value `index` (`kind` "value") or side value `index`
         (`kind` "side"). Every element of every value and side value is in
-        exactly one piece; a value's pieces come in increasing `start`.
+        exactly one piece; a value's pieces come in increasing `start`; a
+        value without elements has no piece.
 
     Raises:
         ValueError: `bytes_per_pack` < 1, or `sizes` and `dtypes` differ in
@@ -135,8 +136,8 @@ def all_reduce_in_windows(context, values, options, side=()):
         for (kind, i, _, _), output in zip(window, outputs):
             pieces[kind][i].append(output)
 
-    def assemble(kind, originals):
-        return [tf.reshape(_concat(parts), tf.shape(o)) for parts, o in zip(pieces[kind], originals)]
+    def assemble(kind, originals):  # a value without elements travels in no window: it is its own sum
+        return [tf.reshape(_concat(parts), tf.shape(o)) if parts else o for parts, o in zip(pieces[kind], originals)]
 
     return assemble("side", side), assemble("value", values)
 

@@ -70,8 +70,21 @@ def test_the_plan_cuts_a_large_value_into_windows_and_keeps_the_side_values_whol
     ]
     assert _buckets.plan_windows([2], [tf.float16], 64, side_sizes=[1]) == [[("value", 0, 0, 2)], [("side", 0, 0, 1)]]
     assert _buckets.plan_windows([], [], 64, side_sizes=[5]) == [[("side", 0, 0, 5)]]
+    assert _buckets.plan_windows([0, 2], [f32, f32], 64) == [[("value", 1, 0, 2)]]  # no elements, no piece
     with pytest.raises(ValueError, match="bytes_per_pack"):
         _buckets.plan_windows([1], [f32], 0)
+
+
+def test_a_gradient_without_elements_is_returned_as_it_is(mirrored_1x2_cpu_collective):
+    strategy = mirrored_1x2_cpu_collective
+    options = keras_dist.CommunicationOptions(bytes_per_pack=8)
+
+    def step():
+        return _all_reduce.all_reduce_gradients([tf.zeros([0, 3]), tf.ones([5])], options)[0]
+
+    empty, full = tf.function(lambda: strategy.run(step))()
+    assert strategy.experimental_local_results(empty)[0].shape == (0, 3)
+    np.testing.assert_array_equal(strategy.experimental_local_results(full)[1].numpy(), np.full([5], 2.0))
 
 
 def test_every_element_travels_once_and_no_window_exceeds_its_size():
