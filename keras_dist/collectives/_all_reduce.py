@@ -1,5 +1,7 @@
 """The gradient all-reduce of `distributed_optimizer`, on TensorFlow's cross-device ops."""
 
+import dataclasses
+
 import tensorflow as tf
 
 from keras_dist.collectives import _buckets
@@ -246,28 +248,29 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
 def _sum(context, values, options, side=()):
     """`(summed side, summed values)`: in windows (`_buckets`) when `options.bytes_per_pack` > 0, else in one call.
 
-    Sparse values are all-gathered as rows by TensorFlow in a call of their own, after the windows.
-    Values without a static size go in one call, as TensorFlow packs them (one pack).
+    Sparse values are all-gathered as rows by TensorFlow in a call of their own, after the windows,
+    with the dense values whose size is known only when the step runs (in one pack).
     """
     side, values = list(side), list(values)
-    dense = [i for i, v in enumerate(values) if not isinstance(v, tf.IndexedSlices)]
-    sparse = [i for i, v in enumerate(values) if isinstance(v, tf.IndexedSlices)]
-    dense_values = [values[i] for i in dense]
-    if not options.bytes_per_pack or not _buckets.has_static_sizes(side + dense_values):
+    if not options.bytes_per_pack:
         # TensorFlow's collective all-reduce reverses the dense values before packing them and launches the
         # packs in that order (TF 2.18-2.21 checked): handed the side values first and the gradients in
         # variable order, the last layers' gradients go first and the side values last.
         summed = context.all_reduce(tf.distribute.ReduceOp.SUM, side + values, options=options.to_tensorflow())
         return list(summed[: len(side)]), list(summed[len(side) :])
-    side_sums, dense_sums = _buckets.all_reduce_in_windows(context, dense_values, options, side)
+    windowed = [
+        i for i, v in enumerate(values) if not isinstance(v, tf.IndexedSlices) and _buckets.has_static_sizes([v])
+    ]
+    rest = sorted(set(range(len(values))) - set(windowed))  # rows, and sizes known only when the step runs
+    side_sums, windowed_sums = _buckets.all_reduce_in_windows(context, [values[i] for i in windowed], options, side)
     result = [None] * len(values)
-    for i, value in zip(dense, dense_sums):
+    for i, value in zip(windowed, windowed_sums):
         result[i] = value
-    if sparse:
-        summed = context.all_reduce(
-            tf.distribute.ReduceOp.SUM, [values[i] for i in sparse], options=options.to_tensorflow()
-        )
-        for i, value in zip(sparse, summed):
+    if rest:
+        one_pack = dataclasses.replace(options, bytes_per_pack=0).to_tensorflow()
+        for i, value in zip(
+            rest, context.all_reduce(tf.distribute.ReduceOp.SUM, [values[i] for i in rest], options=one_pack)
+        ):
             result[i] = value
     return side_sums, result
 

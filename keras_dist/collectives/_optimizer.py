@@ -189,6 +189,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     options = optimizer_patches.state(optimizer).options.resolved(context.strategy)
     grads = list(grads)
     variables = list(trainable_variables) if trainable_variables is not None else ki.trainable_variables_of(optimizer)
+    grads = [_with_variable_shape(g, v) for g, v in zip(grads, variables)] + grads[len(variables) :]
     accumulating = accumulation.accumulates_anywhere(optimizer) and _compat.is_active(
         "gradient_accumulation_under_strategy"
     )
@@ -251,6 +252,22 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
                 keras_apply(optimizer, grads, variables)
         if marks is not None:
             marks.stamp("applied", variables)
+
+
+def _with_variable_shape(gradient, variable):
+    """A dense `gradient` with its `variable`'s static shape, where the trace lost it (else as given).
+
+    The gradient of a Dense kernel applied to a 3-D input (a transformer's feed-forward layer) is traced
+    with shape `(None, units)`; without a static size it cannot be cut into windows (`_buckets`), nor
+    packed by TensorFlow ("not packing values due to the unknown or inconsistent shape"). A gradient
+    has its variable's shape, so `tf.ensure_shape` states it (and checks it when the step runs).
+    """
+    if gradient is None or isinstance(gradient, tf.IndexedSlices) or gradient.shape.is_fully_defined():
+        return gradient
+    shape = getattr(variable, "shape", None)
+    if shape is None or not tf.TensorShape(shape).is_fully_defined():
+        return gradient
+    return tf.ensure_shape(gradient, shape)
 
 
 def _apply_keeping_rows(optimizer, keras_apply, summed, variables):

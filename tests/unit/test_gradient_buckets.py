@@ -149,3 +149,47 @@ def test_small_windows_give_the_same_weights_bit_for_bit_as_one_pack(
     small_windows = _trained_weights(mirrored_1x2_cpu_collective, 1024, compression, embedding)
     for a, b in zip(one_pack, small_windows):
         np.testing.assert_array_equal(a, b)
+
+
+def _collectives_in_train_step(model):
+    """CollectiveReduceV2 ops of the first replica in the traced one-step graph (nested functions included)."""
+    from keras_dist.callbacks._monitors import _tf_functions_in
+
+    def count(graph):
+        own = sum(op.type == "CollectiveReduceV2" and op.device.endswith("CPU:0") for op in graph.get_operations())
+        return own + sum(count(f.graph) for f in graph._functions.values() if hasattr(f, "graph"))
+
+    return max(
+        count(concrete.graph)
+        for f in _tf_functions_in(model.train_function)
+        if "one_step_on_data" in getattr(f, "__name__", "")
+        for concrete in f._list_all_concrete_functions()
+    )
+
+
+def _dense_on_sequences(strategy, bytes_per_pack):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 8))  # Dense on a 3-D input: its kernel's gradient is traced as (None, 32)
+    features = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(32, activation="relu")(inputs))
+    model = keras_dist.DistributedModel(
+        inputs,
+        keras.layers.Dense(3)(features),
+        strategy=strategy,
+        communication=keras_dist.CommunicationOptions(bytes_per_pack=bytes_per_pack),
+    )
+    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rs = np.random.RandomState(1)
+    x, y = rs.rand(42, 4, 8).astype("float32"), rs.randint(0, 3, 42)  # a partial last batch: no static batch size
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    return model
+
+
+def test_a_dense_layer_on_sequences_still_gets_windows(mirrored_1x2_cpu_collective):
+    # The probe's transformer: one gradient of unknown static shape sent the whole step through one
+    # collective (TensorFlow: "not packing values due to the unknown or inconsistent shape").
+    windows = _dense_on_sequences(mirrored_1x2_cpu_collective, 256)  # 387 floats in 64-float windows
+    one_pack = _dense_on_sequences(mirrored_1x2_cpu_collective, 0)
+    assert _collectives_in_train_step(windows) == 7, _collectives_in_train_step(windows)
+    assert _collectives_in_train_step(one_pack) == 1
+    for a, b in zip(windows.weights, one_pack.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
