@@ -4,7 +4,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from keras_dist.collectives import _buckets
+from keras_dist.collectives import _windows
 
 GRADIENT_STRUCTURE_MISMATCH = "keras-dist: the workers disagree on which variables receive a gradient"
 
@@ -214,7 +214,7 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     to_send = compress(to_send, options)
     together = all(v.dtype == tf.float32 for v in to_send if not isinstance(v, tf.IndexedSlices))
     # With `bytes_per_pack` > 0 the dense values travel in windows of that many bytes, the last layers'
-    # gradients first and the side values (counts, flags, metric state) in the last window (`_buckets`).
+    # gradients first and the side values (counts, flags, metric state) in the last window (`_windows`).
     reduced, side_sums = [], []
     if together and (to_send or side):
         side_sums, reduced = _sum(context, to_send, options, side)
@@ -246,7 +246,7 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
 
 
 def _sum(context, values, options, side=()):
-    """`(summed side, summed values)`: in windows (`_buckets`) when `options.bytes_per_pack` > 0, else in one call.
+    """`(summed side, summed values)`: in windows (`_windows`) when `options.bytes_per_pack` > 0, else in one call.
 
     Sparse values are all-gathered as rows by TensorFlow in a call of their own, after the windows,
     with the dense values whose size is known only when the step runs (in one pack).
@@ -259,10 +259,10 @@ def _sum(context, values, options, side=()):
         summed = context.all_reduce(tf.distribute.ReduceOp.SUM, side + values, options=options.to_tensorflow())
         return list(summed[: len(side)]), list(summed[len(side) :])
     windowed = [
-        i for i, v in enumerate(values) if not isinstance(v, tf.IndexedSlices) and _buckets.has_static_sizes([v])
+        i for i, v in enumerate(values) if not isinstance(v, tf.IndexedSlices) and _windows.has_static_sizes([v])
     ]
     rest = sorted(set(range(len(values))) - set(windowed))  # rows, and sizes known only when the step runs
-    side_sums, windowed_sums = _buckets.all_reduce_in_windows(context, [values[i] for i in windowed], options, side)
+    side_sums, windowed_sums = _windows.all_reduce_in_windows(context, [values[i] for i in windowed], options, side)
     result = [None] * len(values)
     for i, value in zip(windowed, windowed_sums):
         result[i] = value

@@ -258,7 +258,7 @@ def _with_variable_shape(gradient, variable):
     """A dense `gradient` with its `variable`'s static shape, where the trace lost it (else as given).
 
     The gradient of a Dense kernel applied to a 3-D input (a transformer's feed-forward layer) is traced
-    with shape `(None, units)`; without a static size it cannot be cut into windows (`_buckets`), nor
+    with shape `(None, units)`; without a static size it cannot be cut into windows (`_windows`), nor
     packed by TensorFlow ("not packing values due to the unknown or inconsistent shape"). A gradient
     has its variable's shape, so `tf.ensure_shape` states it (and checks it when the step runs).
     """

@@ -46,7 +46,7 @@ class CommunicationOptions:
             cut into windows of exactly this many bytes, each summed by one
             collective in that order; a gradient larger than a window spans
             several, and the side values (example counts, checks, metric
-            sums) ride in the last window (`keras_dist/collectives/_buckets.py`).
+            sums) ride in the last window (`keras_dist/collectives/_windows.py`).
             Windows change which values travel together, never a sum. `0`:
             TensorFlow's default, everything in one collective. `"auto"` is
             `AUTO_BYTES_PER_PACK_BETWEEN_CPU_WORKERS` (8 MiB) under

@@ -3,7 +3,7 @@
 With `bytes_per_pack` > 0, keras-dist reads the dense gradients as one stream, the last variable's
 first, cuts it into windows of exactly that many bytes (a gradient larger than a window spans
 several) and sums each window with one collective, in stream order; the side values (example
-counts, structure flags, metric state) ride in the last window (`keras_dist/collectives/_buckets.py`,
+counts, structure flags, metric state) ride in the last window (`keras_dist/collectives/_windows.py`,
 issue 23 item 1). Windows change which values travel together, never the sums: a run with many small
 windows equals a run with one pack, bit for bit, on 2 replicas.
 """
@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist
-from keras_dist.collectives import _all_reduce, _buckets
+from keras_dist.collectives import _all_reduce, _windows
 
 
 def test_the_windows_are_launched_last_variable_first_with_the_side_values_in_the_last(mirrored_1x2_cpu_collective):
@@ -56,23 +56,23 @@ def test_the_plan_cuts_a_large_value_into_windows_and_keeps_the_side_values_whol
     f32 = tf.float32
     # 10 MiB of float32 in 4 MiB windows: 4 MiB, 4 MiB, then the last 2 MiB with the side values.
     mib = 2**20 // 4
-    assert _buckets.plan_windows([10 * mib], [f32], 4 * 2**20, side_sizes=[3]) == [
+    assert _windows.plan_windows([10 * mib], [f32], 4 * 2**20, side_sizes=[3]) == [
         [("value", 0, 0, 4 * mib)],
         [("value", 0, 4 * mib, 8 * mib)],
         [("value", 0, 8 * mib, 10 * mib), ("side", 0, 0, 3)],
     ]
     # A full last window still takes the side values (one collective fewer), larger than the window.
-    assert _buckets.plan_windows([4], [f32], 16, side_sizes=[2]) == [[("value", 0, 0, 4), ("side", 0, 0, 2)]]
+    assert _windows.plan_windows([4], [f32], 16, side_sizes=[2]) == [[("value", 0, 0, 4), ("side", 0, 0, 2)]]
     # A change of dtype closes the window; float16 side values are not possible, float32 ones go last.
-    assert _buckets.plan_windows([2, 3], [f32, tf.float16], 64, side_sizes=[1]) == [
+    assert _windows.plan_windows([2, 3], [f32, tf.float16], 64, side_sizes=[1]) == [
         [("value", 1, 0, 3)],
         [("value", 0, 0, 2), ("side", 0, 0, 1)],
     ]
-    assert _buckets.plan_windows([2], [tf.float16], 64, side_sizes=[1]) == [[("value", 0, 0, 2)], [("side", 0, 0, 1)]]
-    assert _buckets.plan_windows([], [], 64, side_sizes=[5]) == [[("side", 0, 0, 5)]]
-    assert _buckets.plan_windows([0, 2], [f32, f32], 64) == [[("value", 1, 0, 2)]]  # no elements, no piece
+    assert _windows.plan_windows([2], [tf.float16], 64, side_sizes=[1]) == [[("value", 0, 0, 2)], [("side", 0, 0, 1)]]
+    assert _windows.plan_windows([], [], 64, side_sizes=[5]) == [[("side", 0, 0, 5)]]
+    assert _windows.plan_windows([0, 2], [f32, f32], 64) == [[("value", 1, 0, 2)]]  # no elements, no piece
     with pytest.raises(ValueError, match="bytes_per_pack"):
-        _buckets.plan_windows([1], [f32], 0)
+        _windows.plan_windows([1], [f32], 0)
 
 
 def test_a_gradient_without_elements_is_returned_as_it_is(mirrored_1x2_cpu_collective):
@@ -93,7 +93,7 @@ def test_every_element_travels_once_and_no_window_exceeds_its_size():
         sizes = [rng.choice([0, 1, 3, 64, 1000, 5000]) for _ in range(rng.randint(1, 6))]
         dtypes = [rng.choice([tf.float32, tf.float32, tf.bfloat16]) for _ in sizes]
         window_bytes = rng.choice([4, 16, 100, 4096, 10**6])
-        windows = _buckets.plan_windows(sizes, dtypes, window_bytes, side_sizes=[2])
+        windows = _windows.plan_windows(sizes, dtypes, window_bytes, side_sizes=[2])
         seen = {i: [] for i in range(len(sizes))}
         for window in windows:
             assert window, windows

@@ -8,15 +8,17 @@ the stream is cut into windows of exactly `bytes_per_pack` bytes, and each
 window is summed by one `ReplicaContext.all_reduce` call, in stream order. So
 
 - a gradient larger than a window travels in window-sized parts (one 64 MB
-  gradient as 8 collectives of 8 MiB: TensorFlow's gRPC ring sums 8 MiB
-  messages about twice as fast as one 64 MB message between CPU workers,
-  `benchmarks/all_reduce.py`), where TensorFlow's own packing
+  gradient as 8 collectives of 8 MiB, which TensorFlow's gRPC ring summed
+  1.2x-1.8x faster than one 64 MB collective between 2 CPU workers in three
+  runs, `benchmarks/all_reduce.py`), where TensorFlow's own packing
   (`cross_device_utils.group_by_size`) keeps every tensor whole;
 - the side values (example counts, structure flags, metric sums) are appended
   to the last window, where TensorFlow's packing gives them a collective of
   their own whenever the gradients fill the packs before them;
 - the first window holds the last layers' gradients and depends on nothing
-  else, so its collective can start before the backward pass ends.
+  else, so its collective can start before the backward pass ends (whether
+  it does is TensorFlow's executor's choice: `docs/performance.md`, "Overlap,
+  traced").
 
 Sums are elementwise, so which values travel together never changes a sum:
 the summed values equal one `all_reduce` of the whole list, bit for bit
