@@ -299,12 +299,16 @@ def test_compat_page_states_each_range_and_the_versions_checked(name):
 
 
 def test_import_warns_once_on_an_unverified_keras():
-    """End to end: `import keras_dist` under a Keras that reports 3.9.2 warns once and leaves the Keras fixes off.
+    """End to end: `import keras_dist` under a Keras that reports an unverified version warns once, Keras fixes off.
 
-    Below the range, not above: a reported 3.16 would also make `_compat.locations` look for 3.16's names.
+    The reported version stays on the installed Keras' side of `_compat.locations`' 3.16 gate (which
+    looks names up by version): 3.9.2, below the fixes' range, under an installed 3.15 or older; 3.99.0,
+    above it, under 3.16 and its nightlies (where a reported 3.9.2 looked for the renamed
+    `TensorFlowTrainer` and failed the import).
     """
+    reported = "3.99.0" if versions.release_at_least("keras", "3.16") else "3.9.2"
     script = (
-        "import keras; keras.__version__ = '3.9.2'\n"
+        f"import keras; keras.__version__ = '{reported}'\n"
         "import keras_dist\n"
         "from keras_dist import _compat\n"
         "_compat.warn_if_unverified()\n"
