@@ -164,6 +164,7 @@ def test_env_uses_the_running_modules_version_where_it_is_imported(installed):
     installed({"tensorflow": "0.0.1"})  # Stale metadata: the imported module's __version__ wins.
     import tensorflow as tf
 
+    # Inside or outside the supported range depends on the stack (tf-nightly is outside): not asserted here.
     assert env.collect_versions({"tensorflow": ["tensorflow"]})["tensorflow"].startswith(
-        f"{tf.__version__} (distribution tensorflow; inside the supported range"
+        f"{tf.__version__} (distribution tensorflow; "
     )
