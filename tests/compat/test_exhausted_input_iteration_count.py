@@ -29,6 +29,9 @@ def _train(strategy, unknown_length):
 
 
 def test_without_fix_each_exhausted_epoch_counts_one_step_too_many(mirrored_1x2_cpu):
+    if not _compat.FIXES["exhausted_input_iteration_count"].applies_to_installed():
+        # Forced (KERAS_DIST_FORCE_FIXES, as CI's nightly stack runs) or off: not checked on keras-nightly 3.16.
+        pytest.skip("The installed Keras is outside the fix's verified range: the bug is reproduced only there.")
     with _compat.disabled("exhausted_input_iteration_count"):
         model = _train(mirrored_1x2_cpu, unknown_length=True)
     assert int(np.asarray(model.optimizer.iterations)) == 18  # 2 epochs of 8 batches

@@ -32,6 +32,9 @@ OPTIMIZERS = {
 
 
 def test_without_fix_the_first_step_fails(mirrored_1x2_cpu):
+    if not _compat.FIXES["gradient_accumulation_under_strategy"].applies_to_installed():
+        # Forced (KERAS_DIST_FORCE_FIXES, as CI's nightly stack runs) or off: not checked on keras-nightly 3.16.
+        pytest.skip("The installed Keras is outside the fix's verified range: the bug is reproduced only there.")
     with _compat.disabled("gradient_accumulation_under_strategy"):
         with pytest.raises(RuntimeError, match="Cond"):
             _train(keras_dist.DistributedModel, OPTIMIZERS["sgd_k2"], strategy=mirrored_1x2_cpu)

@@ -42,6 +42,9 @@ def _fit(model):
 
 
 def test_without_fix_the_first_step_fails(mirrored_1x2_cpu_collective):
+    if not _compat.FIXES["optimizer_built_in_step"].applies_to_installed():
+        # Forced (KERAS_DIST_FORCE_FIXES, as CI's nightly stack runs) or off: not checked on keras-nightly 3.16.
+        pytest.skip("The installed Keras is outside the fix's verified range: the bug is reproduced only there.")
     with _compat.disabled("optimizer_built_in_step"):
         model = _model_with_own_optimizer(mirrored_1x2_cpu_collective)
         with pytest.raises(tf.errors.InvalidArgumentError, match="You must feed a value for placeholder"):

@@ -54,6 +54,9 @@ def _fit(model):
 
 
 def test_without_fix_fit_fails_in_keras_pre_build(mirrored_1x2_cpu):
+    if not _compat.FIXES["symbolic_build_without_targets"].applies_to_installed():
+        # Forced (KERAS_DIST_FORCE_FIXES, as CI's nightly stack runs) or off: not checked on keras-nightly 3.16.
+        pytest.skip("The installed Keras is outside the fix's verified range: the bug is reproduced only there.")
     with _compat.disabled("symbolic_build_without_targets"):
         model = _model(keras_dist.DistributedModel, {"strategy": mirrored_1x2_cpu}, use_compiled_loss=False)
         with pytest.raises(ValueError, match="None values not supported"):
