@@ -69,6 +69,8 @@ def plan_windows(sizes, dtypes, bytes_per_pack, side_sizes=()):
         raise ValueError(f"`sizes` and `dtypes` must have the same length. Received: {len(sizes)} and {len(dtypes)}.")
     windows, window, used, dtype = [], [], 0, None
     for index in reversed(range(len(sizes))):
+        if not sizes[index]:  # no elements, no piece: neither closes a window nor sets its dtype
+            continue
         item = tf.as_dtype(dtypes[index]).size
         if window and dtypes[index] != dtype:
             windows.append(window)

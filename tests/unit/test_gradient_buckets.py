@@ -71,6 +71,11 @@ def test_the_plan_cuts_a_large_value_into_windows_and_keeps_the_side_values_whol
     assert _windows.plan_windows([2], [tf.float16], 64, side_sizes=[1]) == [[("value", 0, 0, 2)], [("side", 0, 0, 1)]]
     assert _windows.plan_windows([], [], 64, side_sizes=[5]) == [[("side", 0, 0, 5)]]
     assert _windows.plan_windows([0, 2], [f32, f32], 64) == [[("value", 1, 0, 2)]]  # no elements, no piece
+    # An empty float32 value last in the stream must not let the side values join a float16 window.
+    assert _windows.plan_windows([0, 2], [f32, tf.float16], 64, side_sizes=[1]) == [
+        [("value", 1, 0, 2)],
+        [("side", 0, 0, 1)],
+    ]
     with pytest.raises(ValueError, match="bytes_per_pack"):
         _windows.plan_windows([1], [f32], 0)
 
@@ -99,6 +104,8 @@ def test_every_element_travels_once_and_no_window_exceeds_its_size():
             assert window, windows
             values = [p for p in window if p[0] == "value"]
             assert len({dtypes[i] for _, i, _, _ in values}) <= 1
+            if any(p[0] == "side" for p in window):  # float32 side values share a window with float32 only
+                assert {dtypes[i] for _, i, _, _ in values} <= {tf.float32}, (sizes, dtypes, windows)
             if values and not any(p[0] == "side" for p in window):
                 assert sum((b - a) * dtypes[i].size for _, i, a, b in values) <= max(window_bytes, 4)
             for _, i, a, b in values:
