@@ -34,11 +34,12 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+import overlap_trace  # benchmarks/, this script's directory: its launcher runner
 
 WORKER = r'''
 import json, sys, time
@@ -294,7 +295,8 @@ def _launch(args, only, env):
             f.write(WORKER)
         command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", script]
         command += [str(args.repeats), out, str(args.rounds), only, args.sizes]
-        subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
+        # Its own process group, killed whole after --timeout: no worker outlives a stuck run.
+        overlap_trace._run_launch(command, args.timeout, env=env)
         with open(out) as f:
             return json.load(f)
 
@@ -338,6 +340,9 @@ def main():
         help="bytes of the curve's tensors, comma-separated (default 1 KB to 256 MB, x4 steps)",
     )
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument(
+        "--timeout", type=float, default=900, help="seconds before a launch (and its workers) is stopped"
+    )
     args = parser.parse_args()
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1"}
     env.pop("TF_CONFIG", None)

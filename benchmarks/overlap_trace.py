@@ -137,14 +137,16 @@ def _read_trace(logdir):
     return rows
 
 
-def _run_launch(command, timeout_seconds):
+def _run_launch(command, timeout_seconds, env=None):
     """Runs `command` (the launcher) in its own process group; stops the whole group after `timeout_seconds`.
+
+    `env`: the launcher's environment (default: this process's).
 
     Raises:
         subprocess.CalledProcessError: the launch failed.
         subprocess.TimeoutExpired: it ran past `timeout_seconds` (its workers are stopped too).
     """
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         returncode = process.wait(timeout=timeout_seconds)
     except subprocess.TimeoutExpired:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.multi_worker
 def test_the_bus_bandwidth_curve_measures_tensorflow_keras_dist_and_loopback_tcp(tmp_path):
     out = tmp_path / "curve.json"
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "all_reduce.py"), "--only", "curve"]
-    command += ["--sizes", "1024,65536", "--rounds", "1", "--json", str(out)]
+    command += ["--sizes", "1024,65536", "--rounds", "1", "--timeout", "240", "--json", str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loopback TCP" in proc.stdout and "load average" in proc.stdout, proc.stdout
