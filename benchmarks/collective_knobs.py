@@ -99,12 +99,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_variant(variant, calls, timeout=300):
-    """Runs one variant on 2 fresh local workers; returns `(seconds per 64 MB all-reduce, CPU s per wall s, both workers)`.
+def run_two_workers(script, args, timeout):
+    """Runs `python -c script *args` as 2 fresh local workers of one cluster; returns both stdouts.
+
+    Each worker gets its own `TF_CONFIG` (a 2-worker cluster on free loopback ports) and
+    `TF_CPP_MIN_LOG_LEVEL=3`; both are killed when they end, fail or time out.
 
     Raises:
-        RuntimeError: a worker failed (its stderr's tail in the message).
-        subprocess.TimeoutExpired: past `timeout` seconds (both workers are killed first).
+        RuntimeError: a worker exited with a non-zero status (its stderr's tail in the message).
+        subprocess.TimeoutExpired: past `timeout` seconds.
     """
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
     procs = []
@@ -113,7 +116,7 @@ def run_variant(variant, calls, timeout=300):
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", WORKER, variant, str(calls)],
+                [sys.executable, "-c", script, *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -127,8 +130,19 @@ def run_variant(variant, calls, timeout=300):
             p.kill()
     for p, (_, err) in zip(procs, outputs):
         if p.returncode != 0:
-            raise RuntimeError(f"variant {variant!r}: a worker exited with {p.returncode}: {err[-2000:]}")
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+            raise RuntimeError(f"{args!r}: a worker exited with {p.returncode}: {err[-2000:]}")
+    return [out for out, _ in outputs]
+
+
+def run_variant(variant, calls, timeout=300):
+    """Runs one variant on 2 fresh local workers; returns `(seconds per 64 MB all-reduce, CPU s per wall s, both workers)`.
+
+    Raises:
+        RuntimeError: a worker failed (its stderr's tail in the message).
+        subprocess.TimeoutExpired: past `timeout` seconds (both workers are killed first).
+    """
+    outputs = run_two_workers(WORKER, [variant, str(calls)], timeout)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     return results[0]["seconds"], sum(r["cpu_per_wall"] for r in results)
 
 

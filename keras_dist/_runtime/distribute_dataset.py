@@ -77,3 +77,46 @@ def _run(hooks, count, underlying, dataset, options):
         return _run(hooks, count - 1, underlying, next_dataset, options)
 
     return hooks[count - 1](dataset, options, distribute_next)
+
+
+# What TensorFlow's `input_lib._enable_get_next_as_optional` reads, newest name first.
+_PARTIAL_BATCH_FLAGS = ("enable_partial_batch_handling", "experimental_enable_get_next_as_optional")
+
+
+@contextlib.contextmanager
+def without_per_step_agreement(strategy):
+    """Distributes datasets without TensorFlow's per-step check that some worker still has data.
+
+    Under several workers TensorFlow's distributed iterator asks, before
+    every step of a finite dataset, whether any worker still has a batch (a
+    one-element all-reduce, `input_lib._calculate_replicas_with_values`), so
+    that workers whose input ran out first get empty batches instead of
+    stopping while the others wait in a collective. Where every worker is
+    known to have the same number of batches, the question is one collective
+    per step for nothing. Datasets distributed while this block runs skip it
+    (TensorFlow reads the strategy's flag when it builds the distributed
+    dataset); the flag is as before when the block ends.
+
+    Only `get_next()` is affected: `get_next_as_optional()` (Keras' loop with
+    `steps_per_execution > 1`) always asks.
+
+    Args:
+        strategy: A `tf.distribute.MultiWorkerMirroredStrategy`.
+    """
+    extended = strategy.extended
+    before = {name: extended.__dict__.get(name, _MISSING) for name in _PARTIAL_BATCH_FLAGS}
+    for name in _PARTIAL_BATCH_FLAGS:
+        setattr(extended, name, False)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is _MISSING:
+                extended.__dict__.pop(name, None)
+            else:
+                setattr(extended, name, value)
+
+
+def asks_every_step(distributed):
+    """Returns whether `distributed`'s iterators check with the other workers before each step (TF's private flag)."""
+    return bool(getattr(distributed, "_enable_get_next_as_optional", True))

@@ -255,6 +255,30 @@ def share_random_seed(strategy):
     return shared
 
 
+def same_on_every_worker(strategy, values):
+    """Returns whether every worker passed the same `values`.
+
+    Args:
+        strategy: The multi-worker `tf.distribute.Strategy`.
+        values: Sequence of integers (at most 2**63 - 1 each), the same length
+            on every worker.
+
+    Returns:
+        Boolean, the same on every worker.
+
+    Distributed behavior:
+        Collective (one all-gather of `len(values)` int64 per replica): every
+        worker must call it at the same point, with as many values.
+    """
+    mine = tf.constant([list(values)], tf.int64)
+
+    def replica_fn():
+        return tf.distribute.get_replica_context().all_gather(mine, axis=0)
+
+    gathered = strategy.experimental_local_results(strategy.run(replica_fn))[0].numpy()
+    return bool((gathered == gathered[:1]).all())
+
+
 def restore_default_sigterm():
     """Gives SIGTERM its default action (terminate) back after TensorFlow took it over.
 

@@ -156,9 +156,9 @@ def distributing_inputs(model, usages, arguments):
         # once, by its own hook, not again by the outer call's.
         del distribute_next
         if len(pending) > 1:
-            usage, source, batch_size = pending.pop(0)
+            usage, source, batch_size, hint = pending.pop(0)
         else:  # The last input (or an unforeseen one) keeps the last description.
-            usage, source, batch_size = pending[0] if pending else (usages[0], None, None)
+            usage, source, batch_size, hint = pending[0] if pending else (usages[0], None, None, ())
         distributed, plan = _distribute.distribute_dataset(
             strategy,
             dataset,
@@ -167,6 +167,7 @@ def distributing_inputs(model, usages, arguments):
             distribute=lambda d: original(d, options=options),
             auto_shard_policy=model.auto_shard_policy,
             batch_size=batch_size,
+            batch_count_hint=hint,
         )
         model.input_plan = plan
         _distribute.announce(plan, strategy)
@@ -191,21 +192,57 @@ def array_batch_size(x, batch_size):
 
 
 def _inputs_keras_distributes(usages, arguments):
-    """Yields `(usage, source, batch_size)` for each input Keras will distribute, in order."""
+    """Yields `(usage, source, batch_size, batch_count_hint)` for each input Keras will distribute, in order."""
     x = arguments.get("x")
     validation = arguments.get("validation_data")
-    if validation is None and arguments.get("validation_split"):
+    split = arguments.get("validation_split") or 0.0
+    if validation is None and split:
         validation = x  # Keras slices the validation examples off the arrays.
     candidates = [
-        (usages[0], x, arguments.get("batch_size")),
-        ("validation", validation, arguments.get("validation_batch_size") or arguments.get("batch_size")),
+        (usages[0], x, arguments.get("batch_size"), split),
+        (
+            "validation",
+            validation,
+            arguments.get("validation_batch_size") or arguments.get("batch_size"),
+            split if validation is x else 0.0,
+        ),
     ]
-    for usage, source, batch_size in candidates[: len(usages)]:
+    for role, (usage, source, batch_size, source_split) in enumerate(candidates[: len(usages)]):
         if isinstance(source, tuple):
             source = source[0]
         if source is None or _distribute.is_distributed(source):
             continue
-        yield usage, source, array_batch_size(source, batch_size)
+        yield (
+            usage,
+            source,
+            array_batch_size(source, batch_size),
+            _batch_count_hint(source, batch_size, source_split, role),
+        )
+
+
+def _batch_count_hint(x, batch_size, validation_split, role):
+    """Returns integers that fix how many batches Keras makes of the arrays `x`, or `()` for other inputs.
+
+    Keras' array adapter makes `ceil(n / batch_size)` batches of the `n`
+    examples it keeps after `validation_split`: the same integers on every
+    worker mean the same number of batches (`_distribute.same_number_of_batches`).
+
+    Args:
+        x: `fit`'s `x` (or the validation inputs): arrays, a dict/list of them, or any other input.
+        batch_size: The `batch_size` argument, or `None`.
+        validation_split: Float, the fraction Keras slices off `x` (0.0 for none).
+        role: Integer, 0 for the first input of the call, 1 for the validation input.
+
+    Returns:
+        A tuple of 4 integers, or `()` when `x` is not arrays.
+    """
+    if _is_dataset(x):
+        return ()
+    leaves = [leaf for leaf in keras.tree.flatten(x) if leaf is not None]
+    shape = getattr(leaves[0], "shape", None) if leaves else None
+    if not shape or shape[0] is None:
+        return ()
+    return (int(shape[0]), int(batch_size or 0), int(round(float(validation_split) * 2**30)), role)
 
 
 def _is_dataset(x):

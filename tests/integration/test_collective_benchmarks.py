@@ -1,9 +1,10 @@
-"""`benchmarks/all_reduce.py --only curve` and `benchmarks/collective_knobs.py` work on 2 workers (issue 23 items 2, 7).
+"""`benchmarks/all_reduce.py --only curve`, `collective_knobs.py` and `epoch_stall.py` work on 2 workers (issue 23 items 0, 2, 7).
 
 A benchmark's check: it asserts that each benchmark runs, prints its table and writes its JSON,
 never a speed.
 """
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,6 +15,15 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.multi_worker
+
+
+def _benchmark(name):
+    """Imports benchmarks/NAME.py (the benchmarks import each other by module name)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 @pytest.mark.timeout(300)
@@ -33,11 +43,18 @@ def test_the_bus_bandwidth_curve_measures_tensorflow_keras_dist_and_loopback_tcp
 
 @pytest.mark.timeout(200)
 def test_the_collective_knobs_benchmark_runs_a_variant_on_two_workers():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import collective_knobs
-    finally:
-        sys.path.pop(0)
+    collective_knobs = _benchmark("collective_knobs")
     for variant in ("default", "unordered (V1 ops)"):
         seconds, cpu_per_wall = collective_knobs.run_variant(variant, calls=1, timeout=150)
         assert seconds > 0 and cpu_per_wall > 0, (variant, seconds, cpu_per_wall)
+
+
+@pytest.mark.timeout(200)
+def test_the_epoch_stall_benchmark_times_every_epoch_on_two_workers():
+    epoch_stall = _benchmark("epoch_stall")
+    for variant in ("finite-no-check", "repeated"):
+        records = epoch_stall.run_variant(variant, epochs=3, steps=4, timeout=150)
+        # Every epoch ran its 4 global batches, without the check too, and stopped there.
+        assert [r["steps"] for r in records] == [4, 4, 4], (variant, records)
+        figures = epoch_stall.summarize(records)
+        assert figures["median_step_ms"] > 0 and len(figures["epoch_ms_per_step"]) == 2, figures

@@ -335,3 +335,35 @@ def test_warnings_once_per_reason_and_never_for_a_chosen_policy(monkeypatch):
         _sharding.warn_once(too_few, 2, "tf.data.Dataset")  # said already
         _sharding.warn_once(_sharding.ShardingDecision("data", None, "no files"), 2, "NumPy arrays")
         _sharding.warn_once(_sharding.ShardingDecision("data", 1, "chosen", explicit=True), 2, "tf.data.Dataset")
+
+
+def test_batch_count_hint_fixes_what_keras_batches_arrays_by():
+    from keras_dist.data import _inputs
+
+    x = np.zeros((257, 3), "float32")
+    hint = _inputs._batch_count_hint
+    assert hint(x, 32, 0.0, 0) == (257, 32, 0, 0)
+    assert hint({"a": x, "b": x}, None, 0.2, 1) == (257, 0, round(0.2 * 2**30), 1)
+    # Each thing Keras batches the arrays by changes the hint.
+    assert len({hint(x, 32, 0.0, 0), hint(x[:256], 32, 0.0, 0), hint(x, 16, 0.0, 0), hint(x, 32, 0.1, 0)}) == 4
+    assert hint(x, 32, 0.0, 0) != hint(x, 32, 0.0, 1)
+    # Inputs whose number of batches is not set by a length: no hint.
+    assert hint(tf.data.Dataset.from_tensor_slices(x).batch(8), None, 0.0, 0) == ()
+    assert hint(iter([x]), None, 0.0, 0) == ()
+
+
+def test_skipping_the_per_step_check_leaves_the_strategy_as_it_was(mirrored_1x2_cpu):
+    from keras_dist._runtime import distribute_dataset
+
+    extended = mirrored_1x2_cpu.extended
+    before = {k: v for k, v in vars(extended).items() if "get_next_as_optional" in k or "partial_batch" in k}
+    dataset = tf.data.Dataset.range(10).batch(4)
+    assert distribute_dataset.asks_every_step(mirrored_1x2_cpu.experimental_distribute_dataset(dataset))
+    with distribute_dataset.without_per_step_agreement(mirrored_1x2_cpu):
+        skipped = mirrored_1x2_cpu.experimental_distribute_dataset(dataset)
+    assert not distribute_dataset.asks_every_step(skipped)
+    assert {k: v for k, v in vars(extended).items() if "get_next_as_optional" in k or "partial_batch" in k} == before
+    assert distribute_dataset.asks_every_step(mirrored_1x2_cpu.experimental_distribute_dataset(dataset))
+    # Without the check the replicas still see every example of the partial last batch, in order.
+    seen = [v.numpy().tolist() for batch in skipped for v in mirrored_1x2_cpu.experimental_local_results(batch)]
+    assert sum(seen, []) == list(range(10))
