@@ -153,7 +153,7 @@ class DistributedModel(keras.Model):
         self.auto_shard_policy = auto_shard_policy
         self.communication = communication
         self.input_plan = None
-        _plan.announce(resolved, communication=communication.describe())
+        _plan.announce(resolved, communication=communication.describe(resolved))
         self._distribute_state()
 
     def _overrides(self, name):

@@ -195,10 +195,23 @@ class CommunicationOptions:
         """The `tf.DType` gradients travel in, or `None` without compression."""
         return _DTYPES.get(self.compression)
 
-    def describe(self) -> str:
-        """Returns one line for the plan, e.g. `'RING, pack 4194304 bytes, timeout 30 s, no compression'`."""
-        pack = {"auto": "pack auto", 0: "one pack"}.get(self.bytes_per_pack, f"pack {self.bytes_per_pack} bytes")
+    def describe(self, strategy: tf.distribute.Strategy | None = None) -> str:
+        """Returns one line for the plan, e.g. `'RING, pack 4194304 bytes, timeout 30 s, no compression'`.
+
+        Args:
+            strategy: Optional `tf.distribute.Strategy`: when given, `bytes_per_pack="auto"`
+                also shows what it resolves to there (`'pack auto (8388608 bytes)'` between
+                CPU workers, `'pack auto (one pack)'` elsewhere; see `resolved`).
+        """
+        pack = _describe_pack(self.bytes_per_pack)
+        if self.bytes_per_pack == "auto" and strategy is not None:
+            pack = f"{pack} ({_describe_pack(self.resolved(strategy).bytes_per_pack).removeprefix('pack ')})"
         timeout = "no timeout" if self.timeout_seconds is None else f"timeout {self.timeout_seconds:g} s"
         compression = "no compression" if self.compression is None else f"{self.compression} compression"
         sparse = ", sparse gradients dense" if self.sparse_gradients == "dense" else ""
         return f"{self.implementation.upper()}, {pack}, {timeout}, {compression}{sparse}"
+
+
+def _describe_pack(bytes_per_pack: int | str) -> str:
+    """`'pack auto'`, `'one pack'` (0) or `'pack N bytes'`."""
+    return {"auto": "pack auto", 0: "one pack"}.get(bytes_per_pack, f"pack {bytes_per_pack} bytes")

@@ -85,6 +85,7 @@ def main(argv):
     results["num_replicas_in_sync"] = model.distribute_strategy.num_replicas_in_sync
     results["collectives_per_train_step"] = collectives_per_step(model.train_function)
     results["bytes_per_pack"] = model.communication.resolved(model.distribute_strategy).bytes_per_pack
+    results["communication"] = model.communication.describe(model.distribute_strategy)
     results["is_chief"] = keras_dist.is_chief()
     with open(os.path.join(out_dir, f"{info.task_type}-{info.task_id}.json"), "w") as f:
         json.dump(results, f)

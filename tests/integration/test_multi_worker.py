@@ -63,6 +63,7 @@ def test_two_workers_match_single_device(tmp_path, single_device_results, cpu_re
     # classes ride in the gradients' pack too: tests/unit/test_step_all_reduce.py). 14 at first, then 3.
     assert outputs[0]["collectives_per_train_step"] == [2 * cpu_replicas]
     assert outputs[0]["bytes_per_pack"] == 8 * 2**20  # "auto" between CPU workers
+    assert "pack auto (8388608 bytes)" in outputs[0]["communication"]  # what the plan prints
     for got in outputs:
         _assert_matches(single_device_results, got)
 

@@ -50,6 +50,22 @@ def test_plan_shows_the_options(mirrored_1x2_cpu):
     assert "communication:        AUTO, pack auto, no timeout, fp16 compression" in str(plan)
 
 
+def test_plan_shows_what_auto_packing_resolves_to(mirrored_1x2_cpu, monkeypatch, capsys):
+    """The plan printed at construction gives "auto"'s value on its strategy (8 MiB between CPU workers: mw tests)."""
+    options = keras_dist.CommunicationOptions(bytes_per_pack="auto")
+    assert options.describe(mirrored_1x2_cpu) == "AUTO, pack auto (one pack), no timeout, no compression"
+    explicit = keras_dist.CommunicationOptions(bytes_per_pack=4 * 2**20)
+    assert (
+        explicit.describe(mirrored_1x2_cpu)
+        == explicit.describe()
+        == "AUTO, pack 4194304 bytes, no timeout, no compression"
+    )
+    monkeypatch.delenv("KERAS_DIST_QUIET", raising=False)
+    inputs = keras.Input((2,))
+    keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    assert "communication:        AUTO, pack auto (one pack), no timeout, no compression" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("compression, expected", [(None, 2 + 2**-10), ("fp16", 2.0), ("bf16", 2.0)])
 def test_compression_sums_in_the_compressed_dtype(mirrored_1x2_cpu, compression, expected):
     """1 + 2**-11 on each replica: float32 keeps it, fp16 (11 significant bits) and bf16 round it to 1."""
