@@ -222,10 +222,10 @@ def same_number_of_batches(strategy, dataset, auto_shard_policy, batch_count_hin
     if len(hint) > _HINT_LENGTH:
         raise ValueError(f"batch_count_hint has at most {_HINT_LENGTH} integers. Received: {hint!r}.")
     cardinality = int(dataset.cardinality())
-    if auto_shard_policy != "data":
-        key, why = (0,) * size, f"sharded by {auto_shard_policy.upper()}: the workers' batch counts may differ"
-    elif cardinality == tf.data.INFINITE_CARDINALITY:
+    if cardinality == tf.data.INFINITE_CARDINALITY:
         key, why = (0,) * size, "the input repeats without end"
+    elif auto_shard_policy != "data":
+        key, why = (0,) * size, f"sharded by {auto_shard_policy.upper()}: the workers' batch counts may differ"
     elif cardinality >= 0:
         key, why = (1, cardinality) + (0,) * _HINT_LENGTH, f"every worker has {cardinality} global batches"
     elif hint:

@@ -129,6 +129,10 @@ def _prepare_one(model, x, batch_size, usage, batch_size_argument):
         plan = _distribute.function_input_plan(strategy, usage)
         model.input_plan = plan
         _distribute.announce(plan, strategy)
+    if _distribute.is_distributed(x) and strategy.num_replicas_in_sync > 1:
+        # Distributed without the hook below: TensorFlow's flag when the object has it; a `DatasetCreator`'s
+        # function datasets have an unknown length, so TensorFlow checks them on several workers.
+        retrace_if_the_check_changed(model, usage, runtime_distribute_dataset.asks_every_step(x))
     return prepare(x, strategy=strategy, model=model, batch_size=batch_size, batch_size_argument=batch_size_argument)
 
 
@@ -171,10 +175,48 @@ def distributing_inputs(model, usages, arguments):
         )
         model.input_plan = plan
         _distribute.announce(plan, strategy)
+        retrace_if_the_check_changed(model, usage, runtime_distribute_dataset.asks_every_step(distributed))
         return distributed
 
     with runtime_distribute_dataset.hooking(strategy, distribute):
         yield
+
+
+# The model's function each usage's iterator is given to.
+_STEP_FUNCTIONS = {
+    "fit": "train_function",
+    "validation": "test_function",
+    "evaluate": "test_function",
+    "predict": "predict_function",
+}
+
+
+def retrace_if_the_check_changed(model, usage, asks):
+    """Drops the model's step function for `usage` if it was traced for iterators that check otherwise.
+
+    Whether TensorFlow's distributed iterator asks the other workers before
+    each step whether any still has data (`asks_every_step`) is decided per
+    distributed dataset, but it is not part of the iterator's `TypeSpec`: a
+    `tf.function` traced with an iterator that does not ask is reused for one
+    that does, and the workers then stop at different steps and wait for each
+    other (a hang, or `WorkerStalledError`). So a model keeps, per step
+    function, the kind of iterator it was traced for, and the function is
+    rebuilt (traced again on its next call) when an input of the other kind
+    comes.
+
+    Args:
+        model: The `DistributedModel`.
+        usage: String, `"fit"`, `"validation"`, `"evaluate"` or `"predict"`.
+        asks: Boolean, whether the new input's iterators ask before each step.
+    """
+    name = _STEP_FUNCTIONS.get(usage)
+    if name is None:
+        return
+    traced_for = model.__dict__.setdefault("_keras_dist_traced_for_check", {})
+    known = name in traced_for
+    if (known and traced_for[name] != asks) or (not known and getattr(model, name, None) is not None):
+        setattr(model, name, None)
+    traced_for[name] = asks
 
 
 KERAS_ARRAY_BATCH_SIZE = 32  # What Keras batches arrays by when `batch_size` is None.

@@ -48,6 +48,26 @@ def batches_without_the_check(strategy, n, batch_size):
     return sum(1 for _ in distributed)  # Per-replica values of this worker's replicas, one per step; no collective.
 
 
+def arrays_then_files(directory):
+    """fit on arrays (step functions traced without the check), then evaluate files sharded by FILE (uneven)."""
+    keras.utils.set_random_seed(1)
+    model = keras_dist.DistributedModel(*_layers())
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = data(300)
+    model.fit(x, y, batch_size=64, validation_data=(x[:100], y[:100]), epochs=1, verbose=0, shuffle=False)
+    checks = [model.input_plan.per_step_check]
+
+    def parse(record):
+        spec = {"x": tf.io.FixedLenFeature([3], tf.float32), "y": tf.io.FixedLenFeature([1], tf.float32)}
+        example = tf.io.parse_single_example(record, spec)
+        return example["x"], example["y"]
+
+    files = sorted(os.path.join(directory, name) for name in os.listdir(directory))
+    result = model.evaluate(tf.data.TFRecordDataset(files).map(parse).batch(50), verbose=0)
+    checks.append(model.input_plan.per_step_check)
+    return {"checks": checks, "evaluate": float(result)}
+
+
 def main(out_dir):
     strategy = keras_dist.resolve_strategy("auto")
     task = keras_dist.task_id()
@@ -62,6 +82,7 @@ def main(out_dir):
         # 2 steps on both): the check stays.
         "different_lengths": train(*data(300 if task == 0 else 200), batch_size=128, epochs=1, steps_per_epoch=2),
     }
+    results["then_files"] = arrays_then_files(os.path.join(out_dir, "records"))
     results["sweep"] = [
         {"n": n, "batch_size": b, "batches": batches_without_the_check(strategy, n, b), "expected": -(-n // b)}
         for n, b in SWEEP

@@ -27,6 +27,7 @@ ASKS = "one collective per step ("
 @pytest.fixture(scope="module", params=[1, 2], ids=["multi_worker_2x1_cpu", "multi_worker_2x2_cpu"])
 def outputs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"end-of-data-2x{request.param}")
+    _write_records(out / "records")
     result = run_workers(
         WORKER,
         [str(out)],
@@ -37,6 +38,22 @@ def outputs(request, tmp_path_factory):
     )
     assert result.ok, result.describe()
     return [json.loads((out / f"worker-{i}.json").read_text()) for i in range(2)]
+
+
+def _write_records(directory):
+    """3 TFRecord files of 100 examples: FILE sharding gives worker 0 two files and worker 1 one."""
+    import tensorflow as tf
+
+    directory.mkdir()
+    x, y = _data(300)
+    for k in range(3):
+        with tf.io.TFRecordWriter(str(directory / f"part-{k}.tfrecord")) as writer:
+            for i in range(100 * k, 100 * (k + 1)):
+                features = {
+                    "x": tf.train.Feature(float_list=tf.train.FloatList(value=x[i].tolist())),
+                    "y": tf.train.Feature(float_list=tf.train.FloatList(value=y[i].tolist())),
+                }
+                writer.write(tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString())
 
 
 def _one_device(x, y, **kwargs):
@@ -87,3 +104,24 @@ def test_every_worker_gets_one_step_of_each_global_batch(outputs):
     for worker in outputs:
         for case in worker["sweep"]:
             assert case["batches"] == case["expected"], case
+
+
+@pytest.mark.timeout(300)
+def test_an_input_that_needs_the_check_after_one_that_does_not_gets_it(outputs):
+    # fit on arrays traces the step functions without the check (validation too); a later evaluate of files
+    # sharded by FILE (200 examples on worker 0, 100 on worker 1) must not reuse them: TensorFlow's iterator
+    # type does not tell the two apart, and the workers would stop at different steps and wait (found by a
+    # new-user probe: WorkerStalledError in evaluate).
+    x, y = _data(300)
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=64, validation_data=(x[:100], y[:100]), epochs=1, verbose=0, shuffle=False)
+    reference = model.evaluate(x, y, batch_size=50, verbose=0)
+    for worker in outputs:
+        assert worker["then_files"]["checks"] == [
+            NONE + "every worker has the same arrays and batch size)",
+            ASKS + "sharded by FILE: the workers' batch counts may differ)",
+        ]
+        np.testing.assert_allclose(worker["then_files"]["evaluate"], reference, rtol=1e-5)

@@ -367,3 +367,19 @@ def test_skipping_the_per_step_check_leaves_the_strategy_as_it_was(mirrored_1x2_
     # Without the check the replicas still see every example of the partial last batch, in order.
     seen = [v.numpy().tolist() for batch in skipped for v in mirrored_1x2_cpu.experimental_local_results(batch)]
     assert sum(seen, []) == list(range(10))
+
+
+def test_step_functions_are_traced_again_for_iterators_that_check_otherwise(mirrored_1x2_cpu):
+    # TensorFlow's iterator type leaves out whether it asks the other workers before each step; a function
+    # traced for one kind is rebuilt for the other (tests/integration/test_end_of_data_check.py: the hang).
+    inputs = keras.Input((3,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    repeated = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()  # never asks
+    model.fit(repeated, steps_per_epoch=2, verbose=0)
+    first = model.train_function
+    model.fit(repeated, steps_per_epoch=2, verbose=0)
+    assert model.train_function is first  # the same kind: kept
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), verbose=0)  # finite, unknown batch shape: asks
+    assert model.train_function is not first
