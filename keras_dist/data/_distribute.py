@@ -229,7 +229,10 @@ def same_number_of_batches(strategy, dataset, auto_shard_policy, batch_count_hin
     elif cardinality >= 0:
         key, why = (1, cardinality) + (0,) * _HINT_LENGTH, f"every worker has {cardinality} global batches"
     elif hint:
-        key, why = (2, 0) + hint + (0,) * (_HINT_LENGTH - len(hint)), "every worker has the same arrays and batch size"
+        key, why = (
+            (2, 0) + hint + (0,) * (_HINT_LENGTH - len(hint)),
+            "every worker's arrays have the same length and batch size",
+        )
     else:
         key, why = (0,) * size, "the number of batches is not known in advance"
     same = runtime_multi_worker.same_on_every_worker(strategy, key)

@@ -74,8 +74,8 @@ def _data(n):
 @pytest.mark.parametrize(
     "name, check",
     [
-        ("arrays", NONE + "every worker has the same arrays and batch size)"),
-        ("arrays_validation_split", NONE + "every worker has the same arrays and batch size)"),
+        ("arrays", NONE + "every worker's arrays have the same length and batch size)"),
+        ("arrays_validation_split", NONE + "every worker's arrays have the same length and batch size)"),
         ("dataset", NONE + "every worker has 2 global batches)"),
         ("filtered", ASKS + "the number of batches is not known in advance)"),
         ("repeated", NONE + "the input repeats without end)"),
@@ -121,7 +121,7 @@ def test_an_input_that_needs_the_check_after_one_that_does_not_gets_it(outputs):
     reference = model.evaluate(x, y, batch_size=50, verbose=0)
     for worker in outputs:
         assert worker["then_files"]["checks"] == [
-            NONE + "every worker has the same arrays and batch size)",
+            NONE + "every worker's arrays have the same length and batch size)",
             ASKS + "sharded by FILE: the workers' batch counts may differ)",
         ]
         np.testing.assert_allclose(worker["then_files"]["evaluate"], reference, rtol=1e-5)
