@@ -10,22 +10,28 @@ thread per worker (the launcher's share of 2 cores), global batch 256:
                     epoch, run to its end (OutOfRange)
   finite-no-check   the same, with TensorFlow's per-step end-of-data all-reduce off (what
                     keras-dist does for inputs of known length)
+  finite-released   `finite`, each epoch's iterator dropped on keras-dist's release thread
+                    (`keras_dist._runtime.iterator_release`), not on the thread that runs the steps
   repeated          `dataset.repeat()`, one iterator for the whole run, `--steps` per epoch
 
 and the same MLP with Keras and keras-dist (`DistributedModel`, SGD, its own thread settings):
 
-  keras-dist-arrays     `fit(x, y, batch_size=256)`: Keras makes a new iterator each epoch
+  keras-dist-arrays     `fit(x, y, batch_size=256)`: Keras makes a new iterator each epoch, and
+                        keras-dist destroys the old ones on its release thread (compat fix
+                        `blocking_iterator_deletion`)
+  keras-dist-arrays-blocking   the same with that fix off: Keras' thread destroys them
   keras-dist-repeated   `fit(dataset.repeat(), steps_per_epoch=...)`: Keras keeps one iterator
 
 For every epoch it records the time to create the iterator, the first step, the median of the
 other steps and the time to drop the iterator, and prints each epoch's overhead (its wall time
 less its steps at the median step time; for Keras, from a callback's epoch and batch ends) and how many epochs stalled (overhead above 0.8 s). A
 stall of about 1.25 s (or a multiple), at an iterator's first step or deletion, is what made
-the issue's epochs bimodal; the first epoch (tracing) is left out.
+the issue's epochs bimodal; the first epoch (tracing) is left out. It is spent destroying the
+old iterator: the same deletion on another thread (`finite-released`) holds up no step.
 
     python benchmarks/epoch_stall.py [--epochs 20] [--steps 60] [--rounds 2] [--json out.json]
 
-About 7 minutes on 2 CPU cores with the defaults.
+About 10 minutes on 2 CPU cores with the defaults.
 """
 
 import argparse
@@ -38,8 +44,17 @@ import collective_knobs
 WORKER = r"""
 import gc, json, os, statistics, sys, time
 variant, epochs, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if variant == "keras-dist-arrays-blocking":
+    os.environ["KERAS_DIST_DISABLE_FIXES"] = "blocking_iterator_deletion"
 if variant.startswith("keras-dist"):
     import keras_dist  # Joins the cluster before TensorFlow runs anything.
+if variant == "finite-released":  # The module alone (stdlib only): importing keras_dist would join the cluster.
+    import importlib.util
+
+    package = os.path.dirname(importlib.util.find_spec("keras_dist").origin)
+    spec = importlib.util.spec_from_file_location("iterator_release", os.path.join(package, "_runtime", "iterator_release.py"))
+    iterator_release = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(iterator_release)
 import numpy as np
 import tensorflow as tf
 
@@ -75,7 +90,7 @@ if variant.startswith("keras-dist"):
                                  "steps": len(self.times), "epoch_s": time.perf_counter() - self.start})
 
     timer = Timer()
-    if variant == "keras-dist-arrays":
+    if variant.startswith("keras-dist-arrays"):
         model.fit(x, y, batch_size=256, epochs=epochs, shuffle=False, verbose=0, callbacks=[timer])
     else:
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(256).repeat()
@@ -138,7 +153,10 @@ for epoch in range(epochs):
             break
         times.append(time.perf_counter() - t)
     t = time.perf_counter()
-    if variant != "repeated":
+    if variant == "finite-released":
+        iterator_release.hold(iterator)
+        iterator = None
+    elif variant != "repeated":
         iterator = None
         gc.collect()
     record["delete_s"] = time.perf_counter() - t
@@ -150,7 +168,15 @@ for epoch in range(epochs):
 print(json.dumps(records))
 """
 
-VARIANTS = ["finite", "finite-no-check", "repeated", "keras-dist-arrays", "keras-dist-repeated"]
+VARIANTS = [
+    "finite",
+    "finite-no-check",
+    "finite-released",
+    "repeated",
+    "keras-dist-arrays",
+    "keras-dist-arrays-blocking",
+    "keras-dist-repeated",
+]
 
 
 def run_variant(variant, epochs, steps, timeout=600):

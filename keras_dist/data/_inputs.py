@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist._runtime import distribute_dataset as runtime_distribute_dataset
-from keras_dist._runtime import keras_internals
+from keras_dist._runtime import iterator_release, keras_internals
 from keras_dist.data import _creator, _distribute
 
 
@@ -176,10 +176,23 @@ def distributing_inputs(model, usages, arguments):
         model.input_plan = plan
         _distribute.announce(plan, strategy)
         retrace_if_the_check_changed(model, usage, runtime_distribute_dataset.asks_every_step(distributed))
+        if releases_iterators_off_the_step(strategy):
+            distributed = iterator_release.ReleasedOffTheStep(distributed)
         return distributed
 
     with runtime_distribute_dataset.hooking(strategy, distribute):
         yield
+
+
+def releases_iterators_off_the_step(strategy):
+    """Whether the iterators of inputs distributed under `strategy` are destroyed on the release thread.
+
+    Fix `blocking_iterator_deletion`, only under `MultiWorkerMirroredStrategy`
+    (`keras_dist._runtime.iterator_release`).
+    """
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and _compat.is_active(
+        "blocking_iterator_deletion"
+    )
 
 
 # The model's function each usage's iterator is given to.

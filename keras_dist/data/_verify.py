@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from keras_dist._runtime import iterator_release
 from keras_dist._runtime import keras_internals as ki
 from keras_dist.data import _creator, _distribute, _inputs, _sharding
 
@@ -206,6 +207,8 @@ def _gather_ids(strategy, distributed, example_id, steps):
         return strategy.gather(ids, axis=0), strategy.gather(replicas, axis=0)
 
     iterator = iter(distributed)
+    if _inputs.releases_iterators_off_the_step(strategy):
+        iterator_release.hold(iterator)  # Destroyed on the release thread, not in a later step of this one.
     all_ids, all_replicas = [], []
     for _ in itertools.count() if steps is None else range(steps):
         try:

@@ -52,7 +52,7 @@ def test_the_collective_knobs_benchmark_runs_a_variant_on_two_workers():
 @pytest.mark.timeout(200)
 def test_the_epoch_stall_benchmark_times_every_epoch_on_two_workers():
     epoch_stall = _benchmark("epoch_stall")
-    for variant in ("finite-no-check", "repeated"):
+    for variant in ("finite-no-check", "finite-released", "repeated"):
         records = epoch_stall.run_variant(variant, epochs=3, steps=4, timeout=150)
         # Every epoch ran its 4 global batches, without the check too, and stopped there.
         assert [r["steps"] for r in records] == [4, 4, 4], (variant, records)

@@ -1,0 +1,76 @@
+"""Under several workers, destroying a distributed iterator must not hold the thread that runs the steps.
+
+Destroying a distributed iterator under MultiWorkerMirroredStrategy holds the
+thread that drops it for 0.2 s, often about 1.25 s and up to 18 s, while the
+other workers wait in their next collective; Keras drops one or two each epoch
+of a finite input (benchmarks/epoch_stall.py measures the stall; a test here
+asserts no speed). What can be checked without a clock is where each iterator
+is destroyed: here 2 workers run fit on arrays with validation data, then
+evaluate, and record the thread on which every distributed iterator TensorFlow
+made was finalized. Without the fix, all on the step thread (MainThread); with
+it, all on keras-dist's release thread, and none left alive.
+"""
+
+import pytest
+
+from keras_dist.testing import clean_env, run_workers
+
+pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
+
+SCRIPT = r"""
+import threading, time, weakref
+import keras, numpy as np
+from tensorflow.python.distribute import input_lib
+import keras_dist
+
+finalized_on, made = [], []
+make_iterator = input_lib.DistributedDataset.__iter__
+
+def recording_iter(self):
+    iterator = make_iterator(self)
+    made.append(1)
+    weakref.finalize(iterator, lambda: finalized_on.append(threading.current_thread().name))
+    return iterator
+
+input_lib.DistributedDataset.__iter__ = recording_iter
+inputs = keras.Input((3,))
+model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs))
+model.compile("sgd", "mse")
+x, y = np.ones((40, 3), "float32"), np.ones((40, 1), "float32")
+model.fit(x, y, batch_size=8, epochs=3, validation_data=(x, y), verbose=0)
+model.evaluate(x, y, batch_size=8, verbose=0)
+deadline = time.monotonic() + 30
+while len(finalized_on) < len(made) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("STRATEGY", type(model.distribute_strategy).__name__)
+print("ITERATORS", len(made), len(finalized_on), ",".join(sorted(set(finalized_on))))
+"""
+
+
+def _iterators(tmp_path, disabled_fixes):
+    """Returns each worker's `(iterators made, iterators finalized, sorted names of the threads that did it)`."""
+    script = tmp_path / "iterators.py"
+    script.write_text(SCRIPT)
+    env = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1", KERAS_DIST_DISABLE_FIXES=disabled_fixes)
+    result = run_workers(script, num_workers=2, timeout=150, env=env)
+    found = []
+    for worker in result.workers:
+        lines = [line.split() for line in worker.output.splitlines()]
+        assert result.ok and ["STRATEGY", "MultiWorkerMirroredStrategy"] in lines, worker.output[-3000:]
+        made, finalized, threads = next(line[1:] for line in lines if line[:1] == ["ITERATORS"])
+        found.append((int(made), int(finalized), threads))
+    return found
+
+
+@pytest.mark.timeout(170)
+def test_without_fix_iterators_are_destroyed_on_the_step_thread(tmp_path):
+    for made, finalized, threads in _iterators(tmp_path, "blocking_iterator_deletion"):
+        assert made >= 7 and finalized == made  # Keras 3.15.1: 14 (two per epoch of fit and of validation, ...).
+        assert threads == "MainThread"
+
+
+@pytest.mark.timeout(170)
+def test_with_fix_every_iterator_is_destroyed_on_the_release_thread(tmp_path):
+    for made, finalized, threads in _iterators(tmp_path, ""):
+        assert made >= 7 and finalized == made  # None left alive.
+        assert threads == "keras-dist-iterator-release"

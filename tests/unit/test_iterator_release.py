@@ -1,0 +1,67 @@
+"""keras_dist._runtime.iterator_release: an iterator is destroyed on the release thread, only once no one else holds it."""
+
+import threading
+import time
+import weakref
+
+import pytest
+
+from keras_dist._runtime import iterator_release
+
+
+class _Iterator:
+    def __next__(self):
+        raise StopIteration
+
+
+class _Dataset:
+    element_spec = "spec"
+
+    def __init__(self):
+        self.made = []
+
+    def __iter__(self):
+        iterator = _Iterator()
+        self.made.append(weakref.ref(iterator))
+        return iterator
+
+
+def _wait_for(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def _finalized_on(obj):
+    threads = []
+    weakref.finalize(obj, lambda: threads.append(threading.current_thread().name))
+    return threads
+
+
+@pytest.mark.timeout(30)
+def test_an_iterator_still_referred_to_is_kept_and_destroyed_on_the_release_thread_once_let_go():
+    iterator = _Iterator()
+    threads = _finalized_on(iterator)
+    iterator_release.hold(iterator)
+    time.sleep(20 * iterator_release.POLL_S)
+    assert threads == []  # Still ours here: not let go.
+    del iterator
+    assert _wait_for(lambda: threads)
+    assert threads == [iterator_release.THREAD_NAME]
+
+
+@pytest.mark.timeout(30)
+def test_the_wrapper_hands_out_the_datasets_own_iterators_and_delegates_the_rest():
+    dataset = _Dataset()
+    wrapped = iterator_release.ReleasedOffTheStep(dataset)
+    first, second = iter(wrapped), iter(wrapped)
+    assert [ref() for ref in dataset.made] == [first, second]
+    assert wrapped.element_spec == "spec"
+    threads = _finalized_on(first)
+    del first
+    assert _wait_for(lambda: threads) and threads == [iterator_release.THREAD_NAME]
+    assert dataset.made[1]() is second  # The other one is still the caller's.
+    del second
+    assert _wait_for(lambda: dataset.made[1]() is None)
+    assert _wait_for(lambda: iterator_release.held() == 0)
