@@ -44,7 +44,7 @@ class _Releaser:
             if self._stopped:
                 return  # Interpreter exit: the caller's references decide, as without the releaser.
             self._held.append(iterator)
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():  # Not started, or a forked child's.
                 self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
                 self._thread.start()
             self._condition.notify()

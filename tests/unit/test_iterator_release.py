@@ -65,3 +65,30 @@ def test_the_wrapper_hands_out_the_datasets_own_iterators_and_delegates_the_rest
     del second
     assert _wait_for(lambda: dataset.made[1]() is None)
     assert _wait_for(lambda: iterator_release.held() == 0)
+
+
+def _release_in_child(queue):
+    iterator = _Iterator()
+    threads = _finalized_on(iterator)
+    iterator_release.hold(iterator)
+    del iterator
+    queue.put(threads[0] if _wait_for(lambda: threads) else "not released")
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_releases_its_own_iterators_on_a_thread_of_its_own():
+    import multiprocessing
+
+    parent_held = _Iterator()
+    iterator_release.hold(parent_held)  # The parent's thread runs now, and holds one at the fork.
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_release_in_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=30) == iterator_release.THREAD_NAME
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
+    del parent_held
+    assert _wait_for(lambda: iterator_release.held() == 0)
