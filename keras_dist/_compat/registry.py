@@ -427,14 +427,15 @@ FIXES = {
             name="blocking_iterator_deletion",
             package="tensorflow",
             verified=">=2.18,<2.22",
-            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/kernels/data/multi_device_iterator_ops.cc (destroying a MultiDeviceIterator; no upstream report found)",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/core/data/root_dataset.cc (RootDataset::Iterator's destructor waits for its Model::OptimizeLoop thread, tensorflow/core/framework/model.cc; no upstream report found)",
             symptom="Under MultiWorkerMirroredStrategy, destroying a distributed iterator holds the thread that "
-            "drops it 0.2 s, often about 1.25 s and up to 18 s, while the other workers wait in their next "
-            "collective; Keras drops one or two every epoch of a finite input, so fit on arrays on 2 CPU workers "
-            "stalled in 14 of 19 epochs (2.5-2.6 s an epoch against 1.5-1.8 s with one iterator for the run).",
+            "drops it 0.2 s, often about 1.25 s and up to 18 s (its tf.data autotuning threads sleep for a period "
+            "doubling from 10 ms to 60 s, and the destructor waits for them), while the other workers wait in "
+            "their next collective; Keras drops one or two every epoch of a finite input, so fit on arrays on 2 "
+            "CPU workers stalled in 14 of 19 epochs (2.5-2.6 s an epoch against 1.5-1.8 s with one iterator).",
             remedy="Each iterator Keras (or verify_sharding) takes from an input keras-dist distributes is also held "
-            "by keras-dist and, once nothing else refers to it, destroyed on a daemon thread of its own, where no "
-            "step waits for it (fit on arrays: 1.5-1.7 s an epoch, no stalls).",
+            "by keras-dist and, once nothing else refers to it, destroyed on one of 4 deleting threads, where no "
+            "step waits for it (fit on arrays: 1.5-1.9 s an epoch, no stalls); the last ones' waits fall at exit.",
             checked_on=("2.18.1", "2.20.0", "2.21.0"),
             remove_when=_OPEN_TF,
         ),

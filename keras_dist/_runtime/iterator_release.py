@@ -1,28 +1,37 @@
-"""Distributed iterators destroyed on a thread of their own, never on the thread that runs the steps.
+"""Distributed iterators destroyed on threads of their own, never on the thread that runs the steps.
 
-Under `MultiWorkerMirroredStrategy`, destroying a distributed iterator (its
-multi-device buffers and the tf.data pipeline behind them) holds the thread that
-drops it for 0.2 s, often about 1.25 s and sometimes far longer, while the other
-workers wait in their next collective (compat fix `iterator_deletion_off_the_step`,
-`benchmarks/epoch_stall.py`). Keras drops one or two iterators every epoch of a
-finite input and one at the end of each `evaluate`. The same deletion done on
-another thread holds up no step.
+Under `MultiWorkerMirroredStrategy`, destroying a distributed iterator holds the
+thread that drops it for 0.2 s, often about 1.25 s and sometimes far longer, while
+the other workers wait in their next collective (compat fix
+`blocking_iterator_deletion`, `benchmarks/epoch_stall.py`). The wait is tf.data's:
+each iterator's pipelines (the host pipeline and each device's) run an autotuning
+thread (`Model::OptimizeLoop`) that sleeps for an optimization period, doubling
+from 10 ms to 60 s over the iterator's life, and the iterator's destructor
+(`RootDataset::Iterator`) waits for that thread to wake (seen with gdb on TF 2.21:
+the 1.25 s is 10 ms x 2**7). Keras drops one or two iterators every epoch of a
+finite input and one at the end of each `evaluate`.
 
 So each iterator a wrapped distributed dataset hands out is also held here; a
 daemon thread polls the held iterators' reference counts and, once only this
-module still refers to one, lets it go: its destruction then runs on that thread.
+module still refers to one, hands it to one of a few deleting threads, where
+its destruction runs: no step waits for it, and deletions wait side by side.
+Python finishes the deletions under way at exit (a thread stopped inside a
+deletion aborts the process), which is where the last iterators' waits now
+fall instead of at the end of `fit`.
 
 What happens on each worker: each worker releases its own iterators; nothing is
 exchanged between workers.
 """
 
-import atexit
+import concurrent.futures
+import ctypes
 import sys
 import threading
 
 POLL_S = 0.05  # How often the held iterators' reference counts are read.
-EXIT_JOIN_S = 10.0  # How long interpreter exit waits for a deletion under way.
-THREAD_NAME = "keras-dist-iterator-release"
+THREAD_NAME = "keras-dist-iterator-release"  # The prefix of the names of the threads that destroy iterators.
+DELETING_THREADS = 4
+POLL_THREAD_NAME = "keras-dist-iterator-release-poll"  # The one that reads reference counts.
 
 # References to a held iterator that are this module's own while `_Releaser._let_go` reads its count:
 # the list entry, the loop variable and `sys.getrefcount`'s argument.
@@ -37,6 +46,7 @@ class _Releaser:
         self._held = []
         self._thread = None
         self._stopped = False
+        self._deleting = None
 
     def hold(self, iterator):
         """Keeps `iterator` until only this releaser refers to it, then drops it on the release thread."""
@@ -45,7 +55,11 @@ class _Releaser:
                 return  # Interpreter exit: the caller's references decide, as without the releaser.
             self._held.append(iterator)
             if self._thread is None or not self._thread.is_alive():  # Not started, or a forked child's.
-                self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+                # Deletions run here, several at a time: each can wait up to a minute, and they must not
+                # queue behind one another. Python finishes those under way at exit (a thread stopped
+                # inside a deletion aborts the process); a thread per deletion aborted it too (TF 2.21).
+                self._deleting = concurrent.futures.ThreadPoolExecutor(DELETING_THREADS, thread_name_prefix=THREAD_NAME)
+                self._thread = threading.Thread(target=self._run, name=POLL_THREAD_NAME, daemon=True)
                 self._thread.start()
             self._condition.notify()
 
@@ -61,8 +75,13 @@ class _Releaser:
                     self._condition.wait()
                 if self._stopped:
                     return
-                released = self._let_go()
-            released.clear()  # The last reference: destruction runs here, outside the lock.
+                boxes = [[iterator] for iterator in self._let_go()]  # Each box holds the last reference.
+            for box in boxes:
+                try:
+                    self._deleting.submit(box.clear)
+                except RuntimeError:  # Interpreter exit began: never destroyed, as in `stop`.
+                    ctypes.pythonapi.Py_IncRef(ctypes.py_object(box.pop()))
+            boxes = box = None
             self._condition_wait(POLL_S)
 
     def _let_go(self):
@@ -80,19 +99,27 @@ class _Releaser:
                 self._condition.wait(seconds)
 
     def stop(self):
-        """At interpreter exit: stops the thread after the deletion under way, and lets the rest go here."""
+        """At interpreter exit, before Python joins the deleting threads: stops polling; never destroys the rest.
+
+        A deletion can wait up to a minute (see the module docstring), so the
+        process exits without the iterators still held: their memory goes
+        with the process.
+        """
         with self._condition:
             self._stopped = True
             held, self._held = self._held, []
             thread = self._thread
             self._condition.notify_all()
-        del held  # Whatever the caller still holds is destroyed when the caller lets it go, as without the releaser.
+        for iterator in held:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(iterator))  # Never freed: no deletion at exit.
         if thread is not None and thread is not threading.current_thread():
-            thread.join(EXIT_JOIN_S)
+            thread.join(POLL_S * 20)
 
 
 _RELEASER = _Releaser()
-atexit.register(_RELEASER.stop)
+# Before Python joins its threads at exit (not `atexit`, which runs after): from then on no deleting
+# thread starts, and those under way are joined.
+threading._register_atexit(_RELEASER.stop)  # type: ignore[attr-defined]
 
 
 def hold(iterator):
