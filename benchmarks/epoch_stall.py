@@ -10,14 +10,14 @@ thread per worker (the launcher's share of 2 cores), global batch 256:
                     epoch, run to its end (OutOfRange)
   finite-no-check   the same, with TensorFlow's per-step end-of-data all-reduce off (what
                     keras-dist does for inputs of known length)
-  finite-released   `finite`, each epoch's iterator dropped on keras-dist's release thread
+  finite-released   `finite`, each epoch's iterator dropped on keras-dist's deleting threads
                     (`keras_dist._runtime.iterator_release`), not on the thread that runs the steps
   repeated          `dataset.repeat()`, one iterator for the whole run, `--steps` per epoch
 
 and the same MLP with Keras and keras-dist (`DistributedModel`, SGD, its own thread settings):
 
   keras-dist-arrays     `fit(x, y, batch_size=256)`: Keras makes a new iterator each epoch, and
-                        keras-dist destroys the old ones on its release thread (compat fix
+                        keras-dist destroys the old ones on its deleting threads (compat fix
                         `blocking_iterator_deletion`)
   keras-dist-arrays-blocking   the same with that fix off: Keras' thread destroys them
   keras-dist-repeated   `fit(dataset.repeat(), steps_per_epoch=...)`: Keras keeps one iterator

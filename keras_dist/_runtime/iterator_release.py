@@ -39,7 +39,7 @@ _OWN_REFERENCES = 3
 
 
 class _Releaser:
-    """Holds iterators and drops each on its own daemon thread once nothing else refers to it."""
+    """Holds iterators and has each destroyed on a deleting thread once nothing else refers to it."""
 
     def __init__(self):
         self._condition = threading.Condition()
@@ -49,7 +49,7 @@ class _Releaser:
         self._deleting = None
 
     def hold(self, iterator):
-        """Keeps `iterator` until only this releaser refers to it, then drops it on the release thread."""
+        """Keeps `iterator` until only this releaser refers to it, then has it destroyed on a deleting thread."""
         with self._condition:
             if self._stopped:
                 return  # Interpreter exit: the caller's references decide, as without the releaser.
@@ -123,7 +123,7 @@ threading._register_atexit(_RELEASER.stop)  # type: ignore[attr-defined]
 
 
 def hold(iterator):
-    """Has `iterator` destroyed on the release thread once no one else refers to it.
+    """Has `iterator` destroyed on one of keras-dist's deleting threads once no one else refers to it.
 
     Args:
         iterator: Any object (a `tf.distribute.DistributedIterator` in practice).
@@ -137,7 +137,7 @@ def held():
 
 
 class ReleasedOffTheStep:
-    """A distributed dataset whose iterators are destroyed on the release thread.
+    """A distributed dataset whose iterators are destroyed on keras-dist's deleting threads.
 
     Iterating it gives the wrapped dataset's own iterators (what Keras passes
     to its step function); every other attribute is the wrapped dataset's.

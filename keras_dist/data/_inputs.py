@@ -185,7 +185,7 @@ def distributing_inputs(model, usages, arguments):
 
 
 def releases_iterators_off_the_step(strategy):
-    """Whether the iterators of inputs distributed under `strategy` are destroyed on the release thread.
+    """Whether the iterators of inputs distributed under `strategy` are destroyed on keras-dist's deleting threads.
 
     Fix `blocking_iterator_deletion`, only under `MultiWorkerMirroredStrategy`
     (`keras_dist._runtime.iterator_release`).

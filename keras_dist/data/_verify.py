@@ -208,7 +208,7 @@ def _gather_ids(strategy, distributed, example_id, steps):
 
     iterator = iter(distributed)
     if _inputs.releases_iterators_off_the_step(strategy):
-        iterator_release.hold(iterator)  # Destroyed on the release thread, not in a later step of this one.
+        iterator_release.hold(iterator)  # Destroyed on a deleting thread, not in a later step of this one.
     all_ids, all_replicas = [], []
     for _ in itertools.count() if steps is None else range(steps):
         try:

@@ -8,7 +8,7 @@ asserts no speed). What can be checked without a clock is where each iterator
 is destroyed: here 2 workers run fit on arrays with validation data, then
 evaluate, and record the thread on which every distributed iterator TensorFlow
 made was finalized. Without the fix, all on the step thread (MainThread); with
-it, all on keras-dist's release thread, and none left alive.
+it, all on keras-dist's deleting threads, and none left alive.
 """
 
 import pytest

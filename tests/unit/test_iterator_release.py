@@ -1,4 +1,4 @@
-"""keras_dist._runtime.iterator_release: an iterator is destroyed on the release thread, only once no one else holds it."""
+"""keras_dist._runtime.iterator_release: an iterator is destroyed on a deleting thread, only once no one else holds it."""
 
 import threading
 import time
