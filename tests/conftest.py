@@ -27,6 +27,12 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 
+def pytest_configure(config):
+    # Not in pyproject.toml: naming the category there imports keras_dist (and TensorFlow) before
+    # this file sets TF_ENABLE_ONEDNN_OPTS above, and oneDNN was then on wherever the shell left it unset.
+    config.addinivalue_line("filterwarnings", "error::keras_dist.errors.KerasDistWarning")
+
+
 def mirrored(num_replicas):
     return tf.distribute.MirroredStrategy(
         [f"/cpu:{i}" for i in range(num_replicas)],

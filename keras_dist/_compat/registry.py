@@ -491,5 +491,25 @@ FIXES = {
             checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
             remove_when=_OPEN_TF,
         ),
+        Fix(
+            name="python_batches_written_in_place",
+            package="tensorflow",
+            verified=">=2.18,<2.22",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/python/lib/core/ndarray_tensor.cc (NdarrayToTensor shares a 64-byte-aligned array's memory; no upstream report found)",
+            symptom="Under a multi-replica strategy, fit and evaluate on a keras.utils.PyDataset, a generator or "
+            "a from_generator dataset can overwrite the user's NumPy arrays: a batch that is a slice of an array "
+            "whose memory starts on a 64-byte boundary reaches TensorFlow without a copy, and once the strategy "
+            "splits it over replicas the step's ops write into it (the targets held loss terms), so the next "
+            "epoch trains on garbage; on 2 workers, epoch 2's loss was 1.43 instead of 2.49.",
+            remedy="A dataset that runs Python (from_generator, py_function, numpy_function) is copied batch "
+            "by batch into memory TensorFlow owns before the strategy splits it (one copy of each batch, on "
+            "tf.data's threads); the step then writes into the copy.",
+            checked_on=("2.18.1", "2.19.1", "2.20.0", "2.21.0"),
+            notes="TensorFlow 2.18.1 (with Keras 3.10.0) does not write into the arrays (its without-the-fix test "
+            "finds them unchanged, as does the same pipeline in plain TensorFlow); 2.19.1 (with Keras 3.13.2) does, "
+            "as 2.20.0 and 2.21.0 do. The fix stays on from the minimum supported 2.18, where it costs one copy "
+            "of each batch and changes no number.",
+            remove_when=_OPEN_TF,
+        ),
     ]
 }

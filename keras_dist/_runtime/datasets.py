@@ -33,13 +33,81 @@ def _inputs(dataset):
         return []
 
 
+def _function_ops(wrapper):
+    """Returns the names of the ops in a traced tf.data function and in the functions it calls."""
+    graph_def = wrapper.function.graph.as_graph_def()
+    ops = {node.op for node in graph_def.node}
+    for function in graph_def.library.function:
+        ops.update(node.op for node in function.node_def)
+    return ops
+
+
 def _function_reads_files(wrapper):
     """Returns whether a traced tf.data function (or one it calls) creates a reader dataset."""
-    graph_def = wrapper.function.graph.as_graph_def()
-    nodes = list(graph_def.node)
-    for function in graph_def.library.function:
-        nodes.extend(function.node_def)
-    return any(node.op in READER_OPS for node in nodes)
+    return not _function_ops(wrapper).isdisjoint(READER_OPS)
+
+
+# Ops that run Python and return what it returned: `Dataset.from_generator` and
+# `tf.numpy_function` (PyFunc, PyFuncStateless), `tf.py_function` (EagerPyFunc).
+PYTHON_FUNCTION_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def calls_python(dataset):
+    """Returns whether any step of `dataset` runs Python (`from_generator`, `py_function`, `numpy_function`).
+
+    Keras builds such a dataset for a `keras.utils.PyDataset` and for a Python
+    generator. Walks the pipeline's Python objects and the graphs of its
+    traced functions (and of the functions they call).
+
+    Args:
+        dataset: A `tf.data.Dataset`.
+
+    Returns:
+        Boolean.
+    """
+    pending, seen = [dataset], set()
+    while pending:
+        node = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for value in vars(node).values():
+            graph = getattr(getattr(value, "function", None), "graph", None)
+            if graph is not None and not _function_ops(value).isdisjoint(PYTHON_FUNCTION_OPS):
+                return True
+        pending.extend(_inputs(node))
+    return False
+
+
+def with_own_buffers(dataset):
+    """Returns `dataset` with every tensor of every element copied into memory TensorFlow allocates.
+
+    A tensor a Python function returned (a NumPy batch of a `PyDataset`, a
+    generator, `py_function`) may share the NumPy array's memory; after a
+    strategy splits the batch over replicas, the step's ops may write into
+    that memory (compat fix `python_batches_written_in_place`). After the copy
+    they write into the copy. Costs one copy of each batch, made on tf.data's
+    threads; elements, their order and the cardinality are unchanged.
+
+    Args:
+        dataset: A `tf.data.Dataset` (any element structure, composite tensors included).
+
+    Returns:
+        A `tf.data.Dataset` with the same element spec.
+    """
+
+    def copy(tensor):
+        if tensor.dtype in (tf.variant, tf.resource):  # Handles, not data: nothing to copy.
+            return tensor
+        return tf.raw_ops.DeepCopy(x=tensor)
+
+    unpacked = type(dataset.element_spec) is tuple  # tf.data passes a tuple's items as arguments.
+
+    @tf.autograph.experimental.do_not_convert
+    def copy_element(*element):
+        return tf.nest.map_structure(copy, element if unpacked else element[0], expand_composites=True)
+
+    return dataset.map(copy_element, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 def filenames_dataset(dataset):

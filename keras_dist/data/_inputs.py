@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _compat
+from keras_dist._runtime import datasets as runtime_datasets
 from keras_dist._runtime import distribute_dataset as runtime_distribute_dataset
 from keras_dist._runtime import iterator_release, keras_internals
 from keras_dist.data import _creator, _distribute
@@ -168,7 +169,7 @@ def distributing_inputs(model, usages, arguments):
             dataset,
             usage=usage,
             source=_distribute.describe_source(source),
-            distribute=lambda d: original(d, options=options),
+            distribute=lambda d: original(owning_python_batches(d), options=options),
             auto_shard_policy=model.auto_shard_policy,
             batch_size=batch_size,
             batch_count_hint=hint,
@@ -182,6 +183,19 @@ def distributing_inputs(model, usages, arguments):
 
     with runtime_distribute_dataset.hooking(strategy, distribute):
         yield
+
+
+def owning_python_batches(dataset):
+    """Returns `dataset`, its batches copied if Python made them (fix `python_batches_written_in_place`).
+
+    Only for datasets split over several replicas (the caller's case) that
+    run Python (`keras.utils.PyDataset`, generators, `from_generator`,
+    `py_function`): TensorFlow may then write into the user's NumPy arrays.
+    Other datasets are returned as they are.
+    """
+    if _compat.is_active("python_batches_written_in_place") and runtime_datasets.calls_python(dataset):
+        return runtime_datasets.with_own_buffers(dataset)
+    return dataset
 
 
 def releases_iterators_off_the_step(strategy):

@@ -26,7 +26,7 @@ ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 # model with an adapted Normalization, a subclass with the guide's custom train_step, sample weights;
 # losses that see the whole batch through keras_dist.ops.all_gather (issue 25): SimCLR, a CLIP-style
 # dual encoder (last batch 2/1), in-batch softmax retrieval,
-# batch-hard triplets on uneven parts with global_batch_offset.
+# batch-hard triplets on uneven parts with global_batch_offset; a PyDataset of array slices.
 PROGRAMS = [
     "c01_mnist_convnet",
     "c12_normalization_adapt",
@@ -36,6 +36,7 @@ PROGRAMS = [
     "c23_dual_encoder_clip",
     "c24_two_tower_retrieval",
     "c25_batch_hard_triplets",
+    "c26_pydataset_regression",
 ]
 KNOWN_FAILURES = {}
 
