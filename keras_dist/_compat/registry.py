@@ -495,7 +495,7 @@ FIXES = {
             name="python_batches_written_in_place",
             package="tensorflow",
             verified=">=2.18,<2.22",
-            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/python/lib/core/ndarray_tensor.cc (NdarrayToTensor shares a 64-byte-aligned array's memory; no upstream report found)",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/python/lib/core/py_func.cc (a PyFunc's NumPy result whose data is 64-byte aligned becomes a tensor sharing its memory, ndarray_tensor.cc; no upstream report found)",
             symptom="Under a multi-replica strategy, fit and evaluate on a keras.utils.PyDataset, a generator or "
             "a from_generator dataset can overwrite the user's NumPy arrays: a batch that is a slice of an array "
             "whose memory starts on a 64-byte boundary reaches TensorFlow without a copy, and once the strategy "
