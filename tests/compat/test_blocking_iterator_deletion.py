@@ -70,7 +70,7 @@ def test_without_fix_iterators_are_destroyed_on_the_step_thread(tmp_path):
 
 
 @pytest.mark.timeout(170)
-def test_with_fix_every_iterator_is_destroyed_on_the_release_thread(tmp_path):
+def test_with_fix_every_iterator_is_destroyed_on_the_deleting_threads(tmp_path):
     for made, finalized, threads in _iterators(tmp_path, ""):
         assert made >= 7 and finalized == made  # None left alive.
         assert all(name.startswith("keras-dist-iterator-release_") for name in threads.split(",")), threads

@@ -40,7 +40,7 @@ def _finalized_on(obj):
 
 
 @pytest.mark.timeout(30)
-def test_an_iterator_still_referred_to_is_kept_and_destroyed_on_the_release_thread_once_let_go():
+def test_an_iterator_still_referred_to_is_kept_and_destroyed_on_a_deleting_thread_once_let_go():
     iterator = _Iterator()
     threads = _finalized_on(iterator)
     iterator_release.hold(iterator)
