@@ -31,6 +31,14 @@ class ShardingReport:
         num_duplicated: Integer, examples received more often than they occur
             in the undistributed pass.
         num_missing: Integer, examples of the undistributed pass never received.
+        comparison: String, how the examples were compared: `"whole pass"`
+            (the received examples against one undistributed pass, in any
+            order) or `"per step"` (each step's global batch on its own: no
+            example more often than in the undistributed batch, none short).
+            `"per step"` is used when `steps` cuts a pass of an input that
+            selects other examples on each pass (a `shuffle` that reshuffles
+            each iteration, before `repeat()` or `take`), where no two passes
+            can be compared whole.
     """
 
     plan: _distribute.InputPlan
@@ -40,6 +48,7 @@ class ShardingReport:
     expected_num_examples: int | None
     num_duplicated: int
     num_missing: int
+    comparison: str = "whole pass"
 
     @property
     def every_example_once(self) -> bool:
@@ -48,19 +57,26 @@ class ShardingReport:
 
     def __str__(self) -> str:
         expected = "" if self.expected_num_examples is None else f" of {self.expected_num_examples}"
+        once = "every example once" + (" in its step" if self.comparison == "per step" else "")
         verdict = (
-            "every example once"
+            once
             if self.every_example_once
-            else (f"NOT every example once: {self.num_duplicated} duplicated, {self.num_missing} missing")
+            else (f"NOT {once}: {self.num_duplicated} duplicated, {self.num_missing} missing")
         )
-        return "\n".join(
-            [
-                str(self.plan),
-                f"  examples per worker:  {', '.join(map(str, self.examples_per_worker))}",
-                f"  examples per replica: {', '.join(map(str, self.examples_per_replica))}",
-                f"  one epoch:            {self.num_examples}{expected} examples, {verdict}",
-            ]
-        )
+        lines = [
+            str(self.plan),
+            f"  examples per worker:  {', '.join(map(str, self.examples_per_worker))}",
+            f"  examples per replica: {', '.join(map(str, self.examples_per_replica))}",
+            f"  one epoch:            {self.num_examples}{expected} examples, {verdict}",
+        ]
+        if self.comparison == "per step":
+            lines.append(
+                "  compared per step:    the input selects other examples on each pass (a shuffle that "
+                "reshuffles each iteration, cut by `steps`), so each step's global batch was checked on "
+                "its own; call without `steps` on a finite pass, or shuffle with "
+                "reshuffle_each_iteration=False, to compare the whole pass"
+            )
+        return "\n".join(lines)
 
 
 def verify_sharding(
@@ -123,13 +139,13 @@ def verify_sharding(
     strategy = strategy or resolve_strategy("auto")
     example_id = example_id or _fingerprint_rows
     source = _distribute.describe_source(x)
-    reference_ids = None
+    reference_batches = make_dataset = None
     if isinstance(x, _creator.DatasetCreator):
         distributed = strategy.distribute_datasets_from_function(x, options=x.input_options)
         plan = _distribute.function_input_plan(strategy, "verify_sharding")
     else:
         make_dataset = _dataset_factory(x, y, strategy=strategy, batch_size=batch_size, steps=steps)
-        reference_ids = collections.Counter(_ids_of_dataset(make_dataset(), example_id, steps))
+        reference_batches = _ids_of_dataset(make_dataset(), example_id, steps)
         dataset = make_dataset()
         distributed, plan = _distribute.distribute_dataset(
             strategy,
@@ -140,8 +156,15 @@ def verify_sharding(
             auto_shard_policy=auto_shard_policy,
             batch_size=batch_size,
         )
-    ids, replicas = _gather_ids(strategy, distributed, example_id, steps)
-    return _report(plan, strategy, ids, replicas, reference_ids)
+    steps_ids, replicas = _gather_ids(strategy, distributed, example_id, steps)
+    comparison = "whole pass"
+    if steps is not None and make_dataset is not None:
+        # Each pass of a reshuffling input cut by `steps` holds other examples: the
+        # distributed pass can then only be compared with the reference step by step.
+        again = _ids_of_dataset(make_dataset(), example_id, steps)
+        if collections.Counter(_flat(again)) != collections.Counter(_flat(reference_batches)):
+            comparison = "per step"
+    return _report(plan, strategy, steps_ids, replicas, reference_batches, comparison)
 
 
 def _first_input(batch):
@@ -177,10 +200,15 @@ def _dataset_factory(x, y, *, strategy, batch_size, steps):
 
 
 def _ids_of_dataset(dataset, example_id, steps=None):
-    ids = []
-    for batch in dataset if steps is None else dataset.take(steps):
-        ids.extend(np.asarray(example_id(_unwrap(batch))).reshape(-1).tolist())
-    return ids
+    """Returns the example ids of each batch of one pass of `dataset`, as a list of lists."""
+    return [
+        np.asarray(example_id(_unwrap(batch))).reshape(-1).tolist()
+        for batch in (dataset if steps is None else dataset.take(steps))
+    ]
+
+
+def _flat(batches):
+    return [example for batch in batches for example in batch]
 
 
 def _unwrap(batch):
@@ -188,7 +216,7 @@ def _unwrap(batch):
 
 
 def _gather_ids(strategy, distributed, example_id, steps):
-    """Every replica's example ids and replica ids, one batch per call of a `tf.function`.
+    """Each step's example ids (a list per step) and every replica's ids, one batch per call of a `tf.function`.
 
     The iterator is advanced inside the function, as Keras' own train step does:
     a multi-worker iterator decides whether any worker still has data with an
@@ -215,20 +243,27 @@ def _gather_ids(strategy, distributed, example_id, steps):
             ids, replicas = step(iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
             break
-        all_ids.extend(ids.numpy().tolist())
+        all_ids.append(ids.numpy().tolist())
         all_replicas.extend(replicas.numpy().tolist())
     return all_ids, all_replicas
 
 
-def _report(plan, strategy, ids, replicas, reference_ids):
+def _report(plan, strategy, steps_ids, replicas, reference_batches, comparison):
     num_replicas = strategy.num_replicas_in_sync
     per_replica = np.bincount(np.asarray(replicas, dtype=np.int64), minlength=num_replicas)[:num_replicas]
     per_worker = per_replica.reshape(plan.num_workers, -1).sum(axis=1)
+    ids = _flat(steps_ids)
     received = collections.Counter(ids)
-    if reference_ids is None:
+    if reference_batches is None:
         duplicated = sum(count - 1 for count in received.values() if count > 1)
         missing = 0
+    elif comparison == "per step":
+        duplicated = missing = 0
+        for got, expected in itertools.zip_longest(steps_ids, reference_batches, fillvalue=[]):
+            duplicated += max(0, (len(got) - len(set(got))) - (len(expected) - len(set(expected))))
+            missing += max(0, len(set(expected)) - len(set(got)))
     else:
+        reference_ids = collections.Counter(_flat(reference_batches))
         duplicated = sum((received - reference_ids).values())
         missing = sum((reference_ids - received).values())
     return ShardingReport(
@@ -236,7 +271,8 @@ def _report(plan, strategy, ids, replicas, reference_ids):
         examples_per_worker=tuple(int(v) for v in per_worker),
         examples_per_replica=tuple(int(v) for v in per_replica),
         num_examples=len(ids),
-        expected_num_examples=None if reference_ids is None else sum(reference_ids.values()),
+        expected_num_examples=None if reference_batches is None else len(_flat(reference_batches)),
         num_duplicated=duplicated,
         num_missing=missing,
+        comparison=comparison,
     )

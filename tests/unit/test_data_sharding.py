@@ -383,3 +383,33 @@ def test_step_functions_are_traced_again_for_iterators_that_check_otherwise(mirr
     assert model.train_function is first  # the same kind: kept
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), verbose=0)  # finite, unknown batch shape: asks
     assert model.train_function is not first
+
+
+def test_verify_sharding_steps_of_a_reshuffling_input_compare_each_step(mirrored_1x2_cpu):
+    """`steps` over a shuffle that reshuffles each pass: each pass holds other examples.
+
+    The reference pass and the distributed pass are two iterations of the same
+    dataset; compared whole they differed (211 "duplicated" and 211 "missing"
+    of 640 before), though the split was right.
+    """
+    x = np.arange(1000, dtype="float32")[:, None]
+    dataset = tf.data.Dataset.from_tensor_slices(x).shuffle(1024, seed=1).batch(64).repeat()
+    report = verify_sharding(dataset, steps=10, strategy=mirrored_1x2_cpu)
+    assert report.comparison == "per step" and report.every_example_once, str(report)
+    assert report.num_examples == report.expected_num_examples == 640
+    assert "every example once in its step" in str(report) and "compared per step" in str(report)
+    # An input whose passes agree is still compared whole.
+    fixed = tf.data.Dataset.from_tensor_slices(x).shuffle(1024, seed=1, reshuffle_each_iteration=False)
+    report = verify_sharding(fixed.batch(64).repeat(), steps=10, strategy=mirrored_1x2_cpu)
+    assert report.comparison == "whole pass" and report.every_example_once, str(report)
+
+
+def test_verify_sharding_per_step_counts_what_a_step_repeats_or_lacks(mirrored_1x2_cpu):
+    from keras_dist.data import _verify
+
+    plan = _verify._distribute.function_input_plan(mirrored_1x2_cpu, "verify_sharding")
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    got = [[1, 2, 1, 2], [5, 6, 7, 8]]  # Step 1: both replicas got the first half.
+    report = _verify._report(plan, mirrored_1x2_cpu, got, [0, 0, 1, 1] * 2, reference, "per step")
+    assert (report.num_duplicated, report.num_missing) == (2, 2) and not report.every_example_once
+    assert "NOT every example once in its step: 2 duplicated, 2 missing" in str(report)
