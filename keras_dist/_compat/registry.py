@@ -511,5 +511,21 @@ FIXES = {
             "of each batch and changes no number.",
             remove_when=_OPEN_TF,
         ),
+        Fix(
+            name="device_less_gather_input",
+            package="tensorflow",
+            verified=">=2.18,<2.22",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/python/distribute/cross_device_ops.py (validate_destinations: the gather's destinations are the value itself, and a tensor without a device is rejected; no upstream report found)",
+            symptom="Under MultiWorkerMirroredStrategy, ReplicaContext.all_gather of a tensor with no device, "
+            "such as labels straight from the distributed iterator, fails with 'ValueError: destinations can "
+            "not be empty', so keras_dist.ops.all_gather of a batch's labels (in-batch negatives, batch-hard "
+            "triplets) crashes on workers.",
+            remedy="keras_dist.ops.all_gather passes each value through tf.identity in the replica's context "
+            "first, which places it on the replica's device.",
+            checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
+            notes="tf-nightly 2.23.0.dev20261026 gathers such a tensor without the fix (its without-the-fix test "
+            "finds no error): remove the fix, with fixed_in set, once a release with that change is checked.",
+            remove_when=_OPEN_TF,
+        ),
     ]
 }

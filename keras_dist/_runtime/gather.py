@@ -33,6 +33,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from keras_dist import _compat
 from keras_dist._runtime import step_state
 
 
@@ -106,10 +107,8 @@ def _scale_gradient(value, scale):
 
 
 def _gather_one(context, step, value, axis):
-    # An input of the step (labels straight from the dataset) has no device under
-    # MultiWorkerMirroredStrategy, where `ReplicaContext.all_gather` needs one ("destinations can
-    # not be empty"); an identity made here is placed on this replica's device.
-    value = tf.identity(value)
+    if _compat.is_active("device_less_gather_input"):
+        value = tf.identity(value)  # Placed on this replica's device (keras_dist._compat).
     if not value.dtype.is_floating:
         with _weighted_gather:
             return context.all_gather(value, axis=axis)
