@@ -23,6 +23,7 @@ What happens on each worker: each worker releases its own iterators; nothing is
 exchanged between workers.
 """
 
+import atexit
 import concurrent.futures
 import ctypes
 import sys
@@ -118,8 +119,9 @@ class _Releaser:
 
 _RELEASER = _Releaser()
 # Before Python joins its threads at exit (not `atexit`, which runs after): from then on no deleting
-# thread starts, and those under way are joined.
-threading._register_atexit(_RELEASER.stop)  # type: ignore[attr-defined]
+# thread starts, and those under way are joined. `threading._register_atexit` is private (Python 3.9+,
+# what concurrent.futures uses); where it is missing, `atexit` still stops new deletions at exit.
+getattr(threading, "_register_atexit", atexit.register)(_RELEASER.stop)
 
 
 def hold(iterator):
