@@ -158,3 +158,39 @@ class ReleasedOffTheStep:
 
     def __getattr__(self, name):
         return getattr(self._distributed, name)
+
+
+_HOLDING_CLASSES: dict[type, type] = {}
+
+
+def hold_iterators_of(distributed):
+    """Has every iterator `distributed` makes destroyed on keras-dist's deleting threads; returns `distributed`.
+
+    For a distributed dataset that must keep its own class, because Keras
+    checks it (`strategy.distribute_datasets_from_function`'s, which Keras
+    only accepts as a TensorFlow class), where `ReleasedOffTheStep` cannot
+    wrap it: its class becomes a subclass of its class whose `__iter__`
+    holds each iterator, as `ReleasedOffTheStep` does.
+
+    Args:
+        distributed: A `tf.distribute` distributed dataset.
+
+    Returns:
+        `distributed` itself.
+    """
+    cls = type(distributed)
+    if cls in _HOLDING_CLASSES.values():
+        return distributed
+    holding = _HOLDING_CLASSES.get(cls)
+    if holding is None:
+
+        def __iter__(self):
+            iterator = cls.__iter__(self)
+            hold(iterator)
+            return iterator
+
+        holding = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__})
+        _HOLDING_CLASSES[cls] = holding
+    distributed.__class__ = holding
+    return distributed
+

@@ -40,7 +40,10 @@ def prepare(x, *, strategy, model, batch_size, batch_size_argument="batch_size")
             how to batch them.
     """
     if isinstance(x, _creator.DatasetCreator):
-        return strategy.distribute_datasets_from_function(x, options=x.input_options)
+        distributed = strategy.distribute_datasets_from_function(x, options=x.input_options)
+        if releases_iterators_off_the_step(strategy):
+            iterator_release.hold_iterators_of(distributed)
+        return distributed
     if isinstance(x, tf.data.Dataset):
         return _batch_if_unbatched(x, model, batch_size, strategy.num_replicas_in_sync, batch_size_argument)
     if isinstance(x, types.GeneratorType) and _compat.is_active("generator_batch_copies"):

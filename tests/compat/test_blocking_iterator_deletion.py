@@ -8,7 +8,8 @@ asserts no speed). What can be checked without a clock is where each iterator
 is destroyed: here 2 workers run fit on arrays with validation data, then
 evaluate, and record the thread on which every distributed iterator TensorFlow
 made was finalized. Without the fix, all on the step thread (MainThread); with
-it, all on keras-dist's deleting threads, and none left alive.
+it, all on keras-dist's deleting threads, and none left alive. The same for a
+`DatasetCreator` (`distribute_datasets_from_function`, whose dataset keeps its class).
 """
 
 import pytest
@@ -18,27 +19,37 @@ from keras_dist.testing import clean_env, run_workers
 pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
 
 SCRIPT = r"""
-import threading, time, weakref
-import keras, numpy as np
+import sys, threading, time, weakref
+import keras, numpy as np, tensorflow as tf
 from tensorflow.python.distribute import input_lib
 import keras_dist
 
 finalized_on, made = [], []
-make_iterator = input_lib.DistributedDataset.__iter__
 
-def recording_iter(self):
-    iterator = make_iterator(self)
-    made.append(1)
-    weakref.finalize(iterator, lambda: finalized_on.append(threading.current_thread().name))
-    return iterator
+def recording(make_iterator):
+    def recording_iter(self):
+        iterator = make_iterator(self)
+        made.append(1)
+        weakref.finalize(iterator, lambda: finalized_on.append(threading.current_thread().name))
+        return iterator
+    return recording_iter
 
-input_lib.DistributedDataset.__iter__ = recording_iter
+for cls in (input_lib.DistributedDataset, input_lib.DistributedDatasetsFromFunction):
+    cls.__iter__ = recording(cls.__iter__)
 inputs = keras.Input((3,))
 model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs))
 model.compile("sgd", "mse")
 x, y = np.ones((40, 3), "float32"), np.ones((40, 1), "float32")
-model.fit(x, y, batch_size=8, epochs=3, validation_data=(x, y), verbose=0)
-model.evaluate(x, y, batch_size=8, verbose=0)
+if sys.argv[1] == "arrays":
+    model.fit(x, y, batch_size=8, epochs=3, validation_data=(x, y), verbose=0)
+    model.evaluate(x, y, batch_size=8, verbose=0)
+else:
+    def dataset_fn(context):
+        return tf.data.Dataset.from_tensor_slices((x, y)).shard(
+            context.num_input_pipelines, context.input_pipeline_id).batch(context.get_per_replica_batch_size(8))
+    creator = keras_dist.data.DatasetCreator(dataset_fn)
+    model.fit(creator, epochs=4, verbose=0)
+    model.evaluate(creator, verbose=0)
 deadline = time.monotonic() + 30
 while len(finalized_on) < len(made) and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -47,12 +58,12 @@ print("ITERATORS", len(made), len(finalized_on), ",".join(sorted(set(finalized_o
 """
 
 
-def _iterators(tmp_path, disabled_fixes):
+def _iterators(tmp_path, disabled_fixes, kind):
     """Returns each worker's `(iterators made, iterators finalized, sorted names of the threads that did it)`."""
     script = tmp_path / "iterators.py"
     script.write_text(SCRIPT)
     env = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1", KERAS_DIST_DISABLE_FIXES=disabled_fixes)
-    result = run_workers(script, num_workers=2, timeout=150, env=env)
+    result = run_workers(script, [kind], num_workers=2, timeout=150, env=env)
     found = []
     for worker in result.workers:
         lines = [line.split() for line in worker.output.splitlines()]
@@ -62,15 +73,21 @@ def _iterators(tmp_path, disabled_fixes):
     return found
 
 
+# Iterators made, Keras 3.15.1: arrays 14 (two per epoch of fit and of validation, ...), DatasetCreator 5.
+KINDS = [("arrays", 7), ("dataset_creator", 4)]
+
+
 @pytest.mark.timeout(170)
-def test_without_fix_iterators_are_destroyed_on_the_step_thread(tmp_path):
-    for made, finalized, threads in _iterators(tmp_path, "blocking_iterator_deletion"):
-        assert made >= 7 and finalized == made  # Keras 3.15.1: 14 (two per epoch of fit and of validation, ...).
+@pytest.mark.parametrize("kind, at_least", KINDS)
+def test_without_fix_iterators_are_destroyed_on_the_step_thread(tmp_path, kind, at_least):
+    for made, finalized, threads in _iterators(tmp_path, "blocking_iterator_deletion", kind):
+        assert made >= at_least and finalized == made
         assert threads == "MainThread"
 
 
 @pytest.mark.timeout(170)
-def test_with_fix_every_iterator_is_destroyed_on_the_deleting_threads(tmp_path):
-    for made, finalized, threads in _iterators(tmp_path, ""):
-        assert made >= 7 and finalized == made  # None left alive.
+@pytest.mark.parametrize("kind, at_least", KINDS)
+def test_with_fix_every_iterator_is_destroyed_on_the_deleting_threads(tmp_path, kind, at_least):
+    for made, finalized, threads in _iterators(tmp_path, "", kind):
+        assert made >= at_least and finalized == made  # None left alive.
         assert all(name.startswith("keras-dist-iterator-release_") for name in threads.split(",")), threads
