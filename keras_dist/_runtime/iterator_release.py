@@ -193,4 +193,3 @@ def hold_iterators_of(distributed):
         _HOLDING_CLASSES[cls] = holding
     distributed.__class__ = holding
     return distributed
-
