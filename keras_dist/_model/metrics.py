@@ -31,23 +31,30 @@ def result_from_summed_state(model, strategy, keras_get_metrics_result):
 
     Reading each sync-on-read metric variable would sum it with its own
     all-reduce (two per `Mean` metric, one collective each per step under
-    several workers); `batch_reduce_to` sums them all in one packed
-    collective, and Keras computes the results from those sums.
+    several workers); `batch_reduce_to` sums them in one packed collective
+    per dtype (a pack is one tensor: `MeanIoU`'s int64 confusion matrix
+    cannot share the float32 sums' pack), and Keras computes the results
+    from those sums.
     """
-    summed = [
-        v
-        for metric in model.metrics
-        for v in metric.variables
-        if isinstance(v.value, tf.distribute.DistributedValues) and v.value.aggregation == tf.VariableAggregation.SUM
-    ]
-    if not summed:
+    by_dtype: dict[str, list] = {}
+    for metric in model.metrics:
+        for v in metric.variables:
+            if (
+                isinstance(v.value, tf.distribute.DistributedValues)
+                and v.value.aggregation == tf.VariableAggregation.SUM
+            ):
+                by_dtype.setdefault(v.value.dtype.name, []).append(v)
+    if not by_dtype:
         return keras_get_metrics_result()
-    reduced = strategy.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, [(v.value, v.value) for v in summed], options=model.communication.to_tensorflow()
-    )
-    with keras.StatelessScope(
-        state_mapping=[(v, strategy.experimental_local_results(r)[0]) for v, r in zip(summed, reduced)]
-    ):
+    state_mapping = []
+    for summed in by_dtype.values():
+        reduced = strategy.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM,
+            [(v.value, v.value) for v in summed],
+            options=model.communication.to_tensorflow(),
+        )
+        state_mapping += [(v, strategy.experimental_local_results(r)[0]) for v, r in zip(summed, reduced)]
+    with keras.StatelessScope(state_mapping=state_mapping):
         return keras_get_metrics_result()
 
 

@@ -37,6 +37,7 @@ PROGRAMS = [
     "c24_two_tower_retrieval",
     "c25_batch_hard_triplets",
     "c26_pydataset_regression",
+    "c27_segmentation_mean_iou",
 ]
 KNOWN_FAILURES = {}
 
