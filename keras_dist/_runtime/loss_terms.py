@@ -175,24 +175,47 @@ def _mean_update_state(self, values, sample_weight=None):
 
 
 def _recording_add_loss(self, loss):
-    """`Layer.add_loss`; inside `recording`, a Keras before 3.14's activity regularization is recorded as a `SUM` term.
+    """`Layer.add_loss`; inside `recording`, the losses that are sums over the examples are recorded as `SUM` terms.
 
-    Keras before 3.14 adds `activity_regularizer(output)` as it is, a sum over
-    the batch's examples (keras-team/keras#22018; 3.14 divides it by the batch
-    size). One device's loss then holds the global batch's sum, so each
-    replica's part counts once (`SUM`), not by its share of the examples as the
-    rest of `total` does (compat fix `summed_activity_regularization`). Only the
-    losses `Layer.__call__` itself adds are such terms: a `call`'s own `add_loss`
-    is the user's, kept as it is.
+    Keras sums every added loss (`Trainer._aggregate_additional_loss`:
+    `ops.sum`). Two kinds are sums over the batch's examples, so that one
+    device's loss holds the global batch's sum and each replica's part counts
+    once (`SUM`), not by its share of the examples as the rest of `total`
+    (and a scalar the user adds, which may be a mean) does:
+    - a value with one entry per example (its leading dimension is the
+      batch's, `_per_example`), such as keras.io's OCR `CTCLayer` adding
+      `ctc_batch_cost`, shape `(batch, 1)`;
+    - on a Keras before 3.14, `activity_regularizer(output)` as
+      `Layer.__call__` adds it (keras-team/keras#22018; 3.14 divides it by the
+      batch size; compat fix `summed_activity_regularization`).
     """
-    record = _RECORDS.get(step_state.replica_key()) if step_state.current() is not None else None
-    if record is not None and sys._getframe(1).f_code is _LAYER_CALL_CODE and _compat.sums_activity_regularization():
+    step = step_state.current()
+    record = _RECORDS.get(step_state.replica_key()) if step is not None else None
+    if record is not None:
+        activity = sys._getframe(1).f_code is _LAYER_CALL_CODE and _compat.sums_activity_regularization()
         for value in tree.flatten(loss):
-            if tf.is_tensor(value):
+            if tf.is_tensor(value) and (activity or _per_example(value, step)):
                 record.terms.append(LossTerm(value, SUM))
                 if record.tape is not None:
                     record.tape.watch(value)
     return _ORIGINAL["add_loss"](self, loss)
+
+
+def _per_example(value, step):
+    """Whether `value` has one entry per example of this replica's batch along its leading dimension.
+
+    Known when traced: the leading dimension is unknown (the batch's, as
+    traced for batches of varying size), or it equals the replica's example
+    count where that is known too. A scalar, or a vector of another length
+    (per feature, per class), is not.
+    """
+    if value.shape.rank is None or value.shape.rank == 0:
+        return False
+    leading = value.shape[0]
+    if leading is None:
+        return True
+    examples = None if step.num_examples is None else tf.get_static_value(step.num_examples)
+    return examples is not None and int(examples) == leading
 
 
 def _note_tracker(record):

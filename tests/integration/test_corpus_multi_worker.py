@@ -38,6 +38,7 @@ PROGRAMS = [
     "c25_batch_hard_triplets",
     "c26_pydataset_regression",
     "c27_segmentation_mean_iou",
+    "c28_ocr_ctc_add_loss",
 ]
 KNOWN_FAILURES = {}
 
