@@ -460,8 +460,16 @@ FIXES = {
             symptom="With steps_per_execution > 1 under MultiWorkerMirroredStrategy, Keras runs the "
             "step inside tf.cond inside tf.while_loop and TensorFlow fails on the collective ops "
             "there: 'You must feed a value for placeholder tensor .../while/cond/Placeholder'.",
-            remedy="Under a multi-worker strategy compile uses steps_per_execution=1 and warns "
-            "(the numbers are the same; only per-step overhead grows).",
+            remedy="Under a multi-worker strategy compile uses steps_per_execution=1 and warns; fit, evaluate "
+            "and predict then run the steps Keras runs in whole executions of the steps_per_execution asked for: "
+            "steps_per_epoch, validation_steps and steps are rounded up to its multiple (steps_per_epoch=5 with 3: "
+            "6 steps an epoch), and an input that ends inside an execution ends it, as in Keras. The numbers are "
+            "the same; per-step overhead grows, and batch callbacks run after every step (Keras: after every "
+            "execution, with the last step's logs), with params['steps'] the rounded count.",
+            notes="Not the same: a finite input of unknown length (e.g. after filter) with a steps_per_epoch it "
+            "does not last: where it runs out inside an execution, Keras ends that epoch unaware and its next "
+            "epoch runs no step; here the end is seen in the same epoch and the next epoch starts the input again. "
+            "A keras.config.set_max_steps_per_epoch cap is not rounded (Keras runs whole executions past it).",
             checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
             remove_when=_OPEN_TF,
         ),
@@ -523,8 +531,6 @@ FIXES = {
             remedy="keras_dist.ops.all_gather passes each value through tf.identity in the replica's context "
             "first, which places it on the replica's device.",
             checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
-            notes="tf-nightly 2.23.0.dev20261026 gathers such a tensor without the fix (its without-the-fix test "
-            "finds no error): remove the fix, with fixed_in set, once a release with that change is checked.",
             remove_when=_OPEN_TF,
         ),
     ]

@@ -15,7 +15,7 @@ import contextlib
 import keras
 
 from keras_dist._compat import keras_fixes
-from keras_dist._model import coupling, monitoring, workers
+from keras_dist._model import coupling, monitoring, step_functions, workers
 from keras_dist.callbacks import _adapt as callbacks_adapt
 from keras_dist.callbacks import _resume as callbacks_resume
 from keras_dist.callbacks import _timeline as callbacks_timeline
@@ -26,6 +26,7 @@ from keras_dist.data import _inputs as data_inputs
 def fit(model, keras_fit, args, kwargs):
     """`DistributedModel.fit`: Keras' `fit` (`keras_fit`, bound) with the arguments above adapted."""
     arguments = data_inputs.bind_inputs(model, keras.Model.fit, args, kwargs, ("x", "validation_data"))
+    step_functions.keras_step_counts(model, arguments, ("steps_per_epoch", "validation_steps"))
     backups = callbacks_resume.backups_in(arguments.get("callbacks"))
     resume_point = callbacks_resume.ResumePoint(0)
     if backups:
@@ -66,6 +67,7 @@ def fit(model, keras_fit, args, kwargs):
 def evaluate(model, keras_evaluate, args, kwargs):
     """`DistributedModel.evaluate`: Keras' `evaluate` (`keras_evaluate`, bound) on the distributed inputs."""
     arguments = data_inputs.bind_inputs(model, keras.Model.evaluate, args, kwargs, ("x",))
+    step_functions.keras_step_counts(model, arguments, ("steps",))
     with (
         keras_fixes.collecting_after(model.distribute_strategy),  # Exits last.
         workers.naming_lost_workers(model),
@@ -80,6 +82,7 @@ def evaluate(model, keras_evaluate, args, kwargs):
 def predict(model, keras_predict, args, kwargs):
     """`DistributedModel.predict`: Keras' `predict` (`keras_predict`, bound) on the distributed inputs."""
     arguments = data_inputs.bind_inputs(model, keras.Model.predict, args, kwargs, ("x",))
+    step_functions.keras_step_counts(model, arguments, ("steps",))
     with (
         keras_fixes.collecting_after(model.distribute_strategy),  # Exits last.
         workers.naming_lost_workers(model),

@@ -7,6 +7,7 @@ over the replicas (`distribute_reduction_method`), and the replica axis
 `MultiWorkerMirroredStrategy`'s output reduction needs.
 """
 
+import numbers
 import warnings
 
 import tensorflow as tf
@@ -81,8 +82,13 @@ def _returns_synchronized_outputs(user_written):
 
 
 def limit_steps_per_execution(model, kwargs):
-    """Under several workers, replaces `compile(steps_per_execution > 1)` by 1, with a warning (changes `kwargs`)."""
+    """Under several workers, replaces `compile(steps_per_execution > 1)` by 1, with a warning (changes `kwargs`).
+
+    The value asked for stays on the model: `fit`, `evaluate` and `predict`
+    then run the steps Keras runs with it (`keras_step_counts`).
+    """
     steps_per_execution = kwargs.get("steps_per_execution", 1)
+    model._requested_steps_per_execution = 1
     if (
         steps_per_execution != 1
         and variables.is_multi_worker(model._distribute_strategy)
@@ -91,9 +97,37 @@ def limit_steps_per_execution(model, kwargs):
         warnings.warn(
             "`steps_per_execution` > 1 is not supported under MultiWorkerMirroredStrategy yet "
             "(TensorFlow fails on collectives inside Keras' multi-step loop); using 1. "
-            f"Received: steps_per_execution={steps_per_execution}. The results are the same; "
-            "pass steps_per_execution=1 to silence this warning.",
+            f"Received: steps_per_execution={steps_per_execution}. The results are the same: "
+            "a `steps_per_epoch`, `validation_steps` or `steps` runs the steps Keras runs in whole "
+            f"executions of {steps_per_execution} (rounded up to a multiple of {steps_per_execution}). "
+            "Pass steps_per_execution=1 to silence this warning.",
             errors.KerasDistWarning,
             stacklevel=3,
         )
+        model._requested_steps_per_execution = int(steps_per_execution)
         kwargs["steps_per_execution"] = 1
+
+
+def keras_step_counts(model, arguments, names):
+    """Rounds the step counts `names` of `arguments` up as Keras runs them with the `steps_per_execution` asked for.
+
+    Keras runs whole executions: with `steps_per_execution=k`, `fit(steps_per_epoch=s)`
+    runs `ceil(s / k)` executions of `k` steps each (fewer only when the input
+    runs out), and so do `validation_steps`, `evaluate(steps=...)` and
+    `predict(steps=...)`. When `limit_steps_per_execution` replaced `k` by 1,
+    `s` becomes `ceil(s / k) * k`: the same steps, one per execution. A count
+    Keras takes from the input (`None`) needs nothing: the last execution
+    stops where the input ends, as one step per execution does.
+
+    Args:
+        model: The `DistributedModel`.
+        arguments: Dict of `fit`'s, `evaluate`'s or `predict`'s arguments by name (changed in place).
+        names: The names of the step counts among them.
+    """
+    per_execution = getattr(model, "_requested_steps_per_execution", 1)
+    if per_execution == 1 or model.steps_per_execution != 1:
+        return
+    for name in names:
+        steps = arguments.get(name)
+        if isinstance(steps, numbers.Integral) and steps > 0:
+            arguments[name] = -(-steps // per_execution) * per_execution

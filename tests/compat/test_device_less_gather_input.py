@@ -30,7 +30,7 @@ def _launch(tmp_path, disabled_fixes):
 @pytest.mark.timeout(120)
 def test_without_fix_gathering_the_iterators_labels_fails(tmp_path):
     if not _compat.FIXES["device_less_gather_input"].applies_to_installed():
-        pytest.skip("The installed TensorFlow is outside the fix's verified range (tf-nightly 2.23 has no bug).")
+        pytest.skip("The installed TensorFlow is outside the fix's verified range: the bug is reproduced only there.")
     result = _launch(tmp_path, "device_less_gather_input")
     assert result.returncode != 0
     assert "destinations can not be empty" in result.stdout, result.stdout[-3000:]

@@ -1,13 +1,23 @@
 """`steps_per_execution` > 1 under MultiWorkerMirroredStrategy (found by a new-user session)."""
 
 import json
+import math
+import os
+import types
 
+import keras
+import numpy as np
 import pytest
+import steps_per_execution_worker
+import tensorflow as tf
 from helpers import MW_WORKER, multi_worker_env
 
+from keras_dist._model import step_functions
 from keras_dist.testing import run_launcher
 
 pytestmark = [pytest.mark.compat, pytest.mark.multi_worker]
+
+SPE_WORKER = os.path.join(os.path.dirname(__file__), "steps_per_execution_worker.py")
 
 
 def _launch(tmp_path, disabled_fixes):
@@ -30,3 +40,56 @@ def test_with_fix_it_warns_and_trains_like_one_step_per_execution(tmp_path):
     outputs = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(2)]
     assert outputs[0]["weights"] == outputs[1]["weights"]
     assert outputs[0]["history"]["count"] == [37.0, 37.0]
+
+
+@pytest.mark.timeout(150)
+def test_with_fix_step_counts_run_whole_executions_as_on_one_device(tmp_path):
+    # steps_per_epoch=5, validation_steps=2, evaluate/predict steps=4 with steps_per_execution=3:
+    # Keras runs 6, 3, 6 and 6 steps (found by a new-user probe: 2 workers ran 5 an epoch, iterations 10).
+    result = run_launcher(["--num-workers", "2", SPE_WORKER, str(tmp_path)], env=multi_worker_env(""), timeout=130)
+    assert result.returncode == 0, result.stdout[-3000:]
+    expected = steps_per_execution_worker.run(keras.Model)
+    assert expected["iterations"] == 12 and len(expected["predictions"]) == 6 * 8
+    for i in range(2):
+        output = json.loads((tmp_path / f"worker-{i}.json").read_text())
+        assert output["iterations"] == expected["iterations"]
+        assert sorted(output["history"]) == sorted(expected["history"])
+        for name, values in expected["history"].items():
+            np.testing.assert_allclose(output["history"][name], values, rtol=1e-5, err_msg=name)
+        for name, value in expected["evaluate"].items():
+            np.testing.assert_allclose(output["evaluate"][name], value, rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(output["predictions"], expected["predictions"], rtol=1e-5, atol=1e-6)
+        for got, want in zip(output["weights"], expected["weights"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _Counts(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.steps = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.steps.append(int(self.model.optimizer.iterations.numpy()))
+
+
+@pytest.mark.parametrize("per_execution", [3, 4])
+@pytest.mark.parametrize("repeat, steps_per_epoch", [(True, 5), (True, 8), (False, 5), (False, 8), (False, None)])
+def test_rounded_step_counts_are_keras_own_on_one_device(per_execution, repeat, steps_per_epoch):
+    # Keras' rule (epoch_iterator.py): ceil(steps / k) executions of k steps, each ending early only
+    # where the input ends (10 batches: an epoch may end early too). `keras_step_counts` must give one step per execution the same count.
+    def run(compiled_per_execution, arguments):
+        dataset = tf.data.Dataset.range(10).map(lambda i: (tf.cast([i], "float32"), tf.cast([i], "float32")))
+        dataset = dataset.batch(1).repeat() if repeat else dataset.batch(1)
+        inputs = keras.Input((1,))
+        model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=compiled_per_execution)
+        counts = _Counts()
+        model.fit(dataset, epochs=3, verbose=0, callbacks=[counts], **arguments)
+        return counts.steps
+
+    arguments = {"steps_per_epoch": steps_per_epoch, "validation_steps": None}
+    fake_model = types.SimpleNamespace(_requested_steps_per_execution=per_execution, steps_per_execution=1)
+    step_functions.keras_step_counts(fake_model, arguments, ("steps_per_epoch", "validation_steps"))
+    if steps_per_epoch:
+        assert arguments["steps_per_epoch"] == math.ceil(steps_per_epoch / per_execution) * per_execution
+    del arguments["validation_steps"]
+    assert run(1, arguments) == run(per_execution, {"steps_per_epoch": steps_per_epoch})
