@@ -31,13 +31,41 @@ def exact_for_global_batch(model, step, *, marks=None):
         return step
 
     def run(data):
-        with user_steps.user_step(model, data, options=model.communication.to_tensorflow(), marks=marks):
-            return _with_global_metric_results(model, step(data))
+        with user_steps.user_step(model, data, options=model.communication.to_tensorflow(), marks=marks) as state:
+            return _with_global_metric_results(model, step(data), _raw_value_weighting(model, state))
 
     return run
 
 
-def _with_global_metric_results(model, logs):
+def _raw_value_weighting(model, state):
+    """Returns the function that makes a raw scalar the step returns count by this replica's example share.
+
+    Keras averages the values a step returns over the replicas
+    (`distribute_reduction_method` `"auto"` or `"mean"`): a raw loss tensor
+    (keras.io's WGAN-GP returns `{"d_loss": d_loss, "g_loss": g_loss}`), a
+    mean over this replica's examples, then logs the replicas' unweighted
+    mean, and NaN when a replica had no examples (the mean of nothing).
+    Each float scalar becomes `examples share x replicas x value` (0 on a
+    replica without examples), whose mean over the replicas is the
+    examples-weighted mean: one device's value for a mean over the examples.
+    Returns the identity where Keras does not average (`"sum"`, `"first"`, a TPU).
+    """
+    method = model.distribute_reduction_method
+    strategy = model._distribute_strategy
+    if method not in ("auto", "mean") or isinstance(strategy, tf.distribute.TPUStrategy):
+        return lambda value: value
+    num_replicas = float(strategy.num_replicas_in_sync)
+
+    def weighted(value):
+        if not isinstance(value, (tf.Tensor, tf.Variable)) or value.shape.rank != 0 or not value.dtype.is_floating:
+            return value
+        share = tf.cast(state.example_share() * num_replicas, value.dtype)
+        return tf.where(state.num_examples > 0, tf.convert_to_tensor(value), tf.zeros([], value.dtype)) * share
+
+    return weighted
+
+
+def _with_global_metric_results(model, logs, weighted=lambda value: value):
     """`logs` a step of yours returned, each value named after one of `model.metrics` replaced by its global result.
 
     keras.io returns `{m.name: m.result() for m in self.metrics}`: on a
@@ -53,35 +81,38 @@ def _with_global_metric_results(model, logs):
     a value is replaced only where it equals the metric's result on this
     replica (a run-time test: the same decision on every replica's trace,
     one `merge_call` either way).
+
+    Every other float scalar (a raw loss tensor) goes through `weighted`
+    (`_raw_value_weighting`: counted by this replica's example share).
     """
-    if not isinstance(logs, dict) or not _compat.is_active("cross_replica_metrics"):
+    if not isinstance(logs, dict):
         return logs
-    by_name = {m.name: m for m in model.metrics}
-    if not any(key in by_name for key in logs):
-        return logs
-    results = tf.distribute.get_replica_context().merge_call(model._metrics_result_from_summed_state)
+    by_name = {m.name: m for m in model.metrics} if _compat.is_active("cross_replica_metrics") else {}
+    results = {}
+    if any(key in by_name for key in logs):
+        results = tf.distribute.get_replica_context().merge_call(model._metrics_result_from_summed_state)
     merged = dict(logs)
     for key, value in logs.items():
-        if key not in by_name:
-            continue
-        if isinstance(value, dict):  # A metrics container (`compile_metrics`): one result per metric it holds.
+        if key not in by_name or key not in results and not isinstance(value, dict):
+            merged[key] = weighted(value)
+        elif isinstance(value, dict):  # A metrics container (`compile_metrics`): one result per metric it holds.
             merged[key] = {name: results.get(name, part) for name, part in value.items()}
-        elif key in results:
-            merged[key] = _global_if_its_result(value, by_name[key], results[key])
+        else:
+            merged[key] = _global_if_its_result(value, by_name[key], results[key], weighted)
     return merged
 
 
-def _global_if_its_result(value, metric, global_result):
-    """`global_result` where `value` equals `metric.result()` on this replica, else `value` (a tensor, as returned)."""
+def _global_if_its_result(value, metric, global_result, weighted):
+    """`global_result` where `value` equals `metric.result()` on this replica, else `weighted(value)` (a tensor, as returned)."""
     try:
         value = tf.convert_to_tensor(value)
         local = tf.convert_to_tensor(metric.result())
     except (TypeError, ValueError):
         return value  # Not a tensor: not a metric's result.
     if value.dtype != local.dtype or not value.shape.is_compatible_with(local.shape):
-        return value
+        return weighted(value)
     same = tf.reduce_all(tf.equal(value, local))
-    return tf.where(same, tf.cast(global_result, value.dtype), value)
+    return tf.where(same, tf.cast(global_result, value.dtype), weighted(value))
 
 
 def compute_loss(model, keras_compute_loss, step):

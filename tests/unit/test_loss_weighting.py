@@ -410,3 +410,37 @@ def test_add_loss_values_count_as_one_device_counts_them(mirrored_1x3_cpu, kind,
         return model
 
     _train_both(mirrored_1x3_cpu, build, x, y, batch_size=4)
+
+
+class _RawLossStep:
+    """keras.io's WGAN-GP way: the step returns its raw loss tensor, not a tracker's result."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(y - self(x, training=True)))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"mse": loss, "constant": tf.constant(2.5)}
+
+    def test_step(self, data):
+        x, y = data
+        return {"mse": ops.mean(ops.square(y - self(x, training=False)))}
+
+
+def test_raw_loss_a_step_returns_is_one_devices_on_uneven_batches(mirrored_1x3_cpu):
+    """10 examples, batch 4 on 3 replicas: the last batch's 1/1/0 left a replica without examples.
+
+    Averaged over the replicas, the raw loss logged NaN there (the mean of nothing; found
+    by a new-user probe on WGAN-GP: d_loss [nan, nan] against [3.76, 3.62]), and on
+    uneven parts the replicas' unweighted mean.
+    """
+    plain, distributed = _classes(_RawLossStep)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((3,))
+        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    x, y = _regression(10, seed=9)
+    _train_both(mirrored_1x3_cpu, build, x, y, batch_size=4)
