@@ -10,6 +10,7 @@ replaced by those of state summed over the replicas. `custom_step_losses =
 "global"` (TensorFlow's guide: the step scales its own loss) turns this off.
 """
 
+import keras
 import tensorflow as tf
 
 from keras_dist import _compat
@@ -48,6 +49,12 @@ def _raw_value_weighting(model, state):
     Each float scalar becomes `examples share x replicas x value` (0 on a
     replica without examples), whose mean over the replicas is the
     examples-weighted mean: one device's value for a mean over the examples.
+    Not the result of a `keras.metrics.Mean` of the model returned under
+    another name (keras.io's VAE returns `total_loss_tracker.result()` as
+    `"loss"`): the step already counts such a tracker's values by the
+    example share (`user_steps.user_step`), so that Keras' plain mean of
+    the replicas' results is the global batch's (a run-time test: the value
+    equals one of those results on this replica).
     Returns the identity where Keras does not average (`"sum"`, `"first"`, a TPU).
     """
     method = model.distribute_reduction_method
@@ -59,8 +66,15 @@ def _raw_value_weighting(model, state):
     def weighted(value):
         if not isinstance(value, (tf.Tensor, tf.Variable)) or value.shape.rank != 0 or not value.dtype.is_floating:
             return value
+        value = tf.convert_to_tensor(value)
         share = tf.cast(state.example_share() * num_replicas, value.dtype)
-        return tf.where(state.num_examples > 0, tf.convert_to_tensor(value), tf.zeros([], value.dtype)) * share
+        raw = tf.where(state.num_examples > 0, value, tf.zeros([], value.dtype)) * share
+        for metric in model.metrics:
+            if isinstance(metric, keras.metrics.Mean):
+                result = tf.convert_to_tensor(metric.result())
+                if result.shape.rank == 0 and result.dtype == value.dtype:
+                    raw = tf.where(tf.equal(value, result), value, raw)
+        return raw
 
     return weighted
 

@@ -477,3 +477,37 @@ def test_metric_with_a_running_maximum_on_the_global_batch(mirrored_1x2_cpu):
 
     x, y = _regression(10)
     _train_both(mirrored_1x2_cpu, build, x, y, batch_size=4)
+
+
+class _TrackerUnderAnotherName:
+    """keras.io's VAE way: a `Mean` tracker named "total_loss" returned as "loss", next to a raw value."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+
+    @property
+    def metrics(self):
+        return [self.total_loss_tracker]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(y - self(x, training=True)))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        self.total_loss_tracker.update_state(loss)
+        return {"loss": self.total_loss_tracker.result(), "raw": loss}
+
+
+def test_tracker_result_under_another_name_is_not_weighted_twice(mirrored_1x3_cpu):
+    """The tracker already counts by example share: weighting its result as a raw value again was wrong."""
+    plain, distributed = _classes(_TrackerUnderAnotherName)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((3,))
+        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    x, y = _regression(10, seed=10)
+    _train_both(mirrored_1x3_cpu, build, x, y, batch_size=4, evaluate=False)
