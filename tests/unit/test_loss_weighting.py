@@ -234,16 +234,23 @@ def _classes(mixin):
     return type("Plain", (mixin, keras.Model), {}), type("Distributed", (mixin, keras_dist.DistributedModel), {})
 
 
-@pytest.mark.parametrize("mixin", [_OwnMeanStep, _GuideStep], ids=["own_mean", "compute_loss_tracker"])
-def test_user_train_step_on_uneven_replica_batches(mirrored_1x3_cpu, mixin):
-    """Was a strict xfail: batch 8 on 3 replicas splits 3/3/2 (the last batch of 2: 1/1/0)."""
+def _dense_with_step(mixin, **compile_kwargs):
+    """`build` for `_train_both`: Dense(1) on 3 inputs in `mixin`'s step, compiled with SGD(0.1) and `compile_kwargs`."""
     plain, distributed = _classes(mixin)
 
     def build(cls, kwargs):
         inputs = keras.Input((3,))
         model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.compile(optimizer=keras.optimizers.SGD(0.1), **compile_kwargs)
         return model
+
+    return build
+
+
+@pytest.mark.parametrize("mixin", [_OwnMeanStep, _GuideStep], ids=["own_mean", "compute_loss_tracker"])
+def test_user_train_step_on_uneven_replica_batches(mirrored_1x3_cpu, mixin):
+    """Was a strict xfail: batch 8 on 3 replicas splits 3/3/2 (the last batch of 2: 1/1/0)."""
+    build = _dense_with_step(mixin, loss="mse")
 
     x, y = _regression(18, seed=6)
     # _OwnMeanStep's logs are the last batch's loss tensor, which Keras averages over the replicas: weights only.
@@ -361,13 +368,7 @@ class _GuideMetricsLoop:
 
 def test_guide_metrics_loop_logs_on_uneven_batches(mirrored_1x2_cpu):
     """Found by a new-user probe: the replicas' own results were averaged (mae 1.0566 vs 1.0345 on 11 examples)."""
-    plain, distributed = _classes(_GuideMetricsLoop)
-
-    def build(cls, kwargs):
-        inputs = keras.Input((3,))
-        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
-        return model
+    build = _dense_with_step(_GuideMetricsLoop, loss="mse", metrics=["mae"])
 
     x, y = _regression(11, seed=8)
     _train_both(mirrored_1x2_cpu, build, x, y, batch_size=4, evaluate=False)
@@ -434,13 +435,7 @@ def test_raw_loss_a_step_returns_is_one_devices_on_uneven_batches(mirrored_1x3_c
     by a new-user probe on WGAN-GP: d_loss [nan, nan] against [3.76, 3.62]), and on
     uneven parts the replicas' unweighted mean.
     """
-    plain, distributed = _classes(_RawLossStep)
-
-    def build(cls, kwargs):
-        inputs = keras.Input((3,))
-        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(0.1))
-        return model
+    build = _dense_with_step(_RawLossStep)
 
     x, y = _regression(10, seed=9)
     _train_both(mirrored_1x3_cpu, build, x, y, batch_size=4)
@@ -501,13 +496,7 @@ class _TrackerUnderAnotherName:
 
 def test_tracker_result_under_another_name_is_not_weighted_twice(mirrored_1x3_cpu):
     """The tracker already counts by example share: weighting its result as a raw value again was wrong."""
-    plain, distributed = _classes(_TrackerUnderAnotherName)
-
-    def build(cls, kwargs):
-        inputs = keras.Input((3,))
-        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(0.1))
-        return model
+    build = _dense_with_step(_TrackerUnderAnotherName)
 
     x, y = _regression(10, seed=10)
     _train_both(mirrored_1x3_cpu, build, x, y, batch_size=4, evaluate=False)
