@@ -15,38 +15,25 @@ import os
 import sys
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 import keras_dist  # keras_dist: joins the cluster before TensorFlow runs anything.
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "integration"))
+import mw_workload  # noqa: E402  (the multi-worker tests' model and data)
+
 STEPS_PER_EXECUTION = 3
-GLOBAL_BATCH_SIZE = 8
-
-
-def _data(num_examples, seed):
-    rs = np.random.RandomState(seed)
-    x = rs.rand(num_examples, 4).astype("float32")
-    y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32") + 0.3 * rs.rand(num_examples, 1)).astype("float32")
-    return x, y
 
 
 def _repeating(x, y=None):
-    return tf.data.Dataset.from_tensor_slices(x if y is None else (x, y)).batch(GLOBAL_BATCH_SIZE).repeat()
+    return tf.data.Dataset.from_tensor_slices(x if y is None else (x, y)).batch(mw_workload.GLOBAL_BATCH_SIZE).repeat()
 
 
 def run(model_class, **kwargs):
-    """Trains, evaluates and predicts a fixed model with `model_class`; returns JSON-ready results."""
-    inputs = keras.Input((4,))
-    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
-    model = model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
-    rs = np.random.RandomState(42)
-    model.set_weights([rs.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], steps_per_execution=STEPS_PER_EXECUTION
-    )
-    x, y = _data(40, seed=0)
-    x_val, y_val = _data(24, seed=1)
+    """Trains, evaluates and predicts `mw_workload`'s model with `model_class`; returns JSON-ready results."""
+    model = mw_workload.build(model_class, steps_per_execution=STEPS_PER_EXECUTION, **kwargs)
+    x, y = mw_workload.data(40, seed=0)
+    x_val, y_val = mw_workload.data(24, seed=1)
     history = model.fit(
         _repeating(x, y),
         epochs=2,

@@ -1,6 +1,6 @@
 """The training run the multi-worker tests compare with single-device Keras.
 
-Imported by `mw_worker.py` (in each worker process, after `import keras_dist`)
+Imported by `mw_worker.py` and `tests/compat/steps_per_execution_worker.py` (in each worker process, after `import keras_dist`)
 and by `test_multi_worker.py` (single-device reference, in the pytest process).
 Uneven on purpose: 37 training examples in global batches of 8 (last batch 5),
 13 validation examples, 11 rows to predict. `build_sparse` / `run_sparse`: sparse
