@@ -138,39 +138,17 @@ def held():
     return _RELEASER.held()
 
 
-class ReleasedOffTheStep:
-    """A distributed dataset whose iterators are destroyed on keras-dist's deleting threads.
-
-    Iterating it gives the wrapped dataset's own iterators (what Keras passes
-    to its step function); every other attribute is the wrapped dataset's.
-
-    Args:
-        distributed: A `tf.distribute.DistributedDataset` (or a wrapper of one).
-    """
-
-    def __init__(self, distributed):
-        self._distributed = distributed
-
-    def __iter__(self):
-        iterator = iter(self._distributed)
-        hold(iterator)
-        return iterator
-
-    def __getattr__(self, name):
-        return getattr(self._distributed, name)
-
-
 _HOLDING_CLASSES: dict[type, type] = {}
 
 
 def hold_iterators_of(distributed):
     """Has every iterator `distributed` makes destroyed on keras-dist's deleting threads; returns `distributed`.
 
-    For a distributed dataset that must keep its own class, because Keras
-    checks it (`strategy.distribute_datasets_from_function`'s, which Keras
-    only accepts as a TensorFlow class), where `ReleasedOffTheStep` cannot
-    wrap it: its class becomes a subclass of its class whose `__iter__`
-    holds each iterator, as `ReleasedOffTheStep` does.
+    Iterating it still gives its own iterators (what Keras passes to its step
+    function), each also held here (`hold`). Its class becomes a subclass of
+    its class whose `__iter__` does that, rather than a wrapper: Keras accepts
+    a `distribute_datasets_from_function` dataset only with its TensorFlow
+    class, and every other attribute stays the dataset's own.
 
     Args:
         distributed: A `tf.distribute` distributed dataset.

@@ -181,7 +181,7 @@ def distributing_inputs(model, usages, arguments):
         _distribute.announce(plan, strategy)
         retrace_if_the_check_changed(model, usage, runtime_distribute_dataset.asks_every_step(distributed))
         if releases_iterators_off_the_step(strategy):
-            distributed = iterator_release.ReleasedOffTheStep(distributed)
+            iterator_release.hold_iterators_of(distributed)
         return distributed
 
     with runtime_distribute_dataset.hooking(strategy, distribute):

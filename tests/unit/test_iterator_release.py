@@ -52,9 +52,10 @@ def test_an_iterator_still_referred_to_is_kept_and_destroyed_on_a_deleting_threa
 
 
 @pytest.mark.timeout(30)
-def test_the_wrapper_hands_out_the_datasets_own_iterators_and_delegates_the_rest():
+def test_a_holding_dataset_hands_out_its_own_iterators_and_keeps_the_rest():
     dataset = _Dataset()
-    wrapped = iterator_release.ReleasedOffTheStep(dataset)
+    wrapped = iterator_release.hold_iterators_of(dataset)
+    assert wrapped is dataset and isinstance(wrapped, _Dataset)
     first, second = iter(wrapped), iter(wrapped)
     assert [ref() for ref in dataset.made] == [first, second]
     assert wrapped.element_spec == "spec"
