@@ -18,7 +18,8 @@ import numpy as np
 CHANGE = "functional"
 
 
-def _on_a_64_byte_boundary(values):
+def on_a_64_byte_boundary(values):
+    """Returns a copy of the float32 array `values` whose memory starts on a 64-byte boundary (also used by tests/compat)."""
     raw = np.empty(values.size + 16, dtype="float32")
     start = (-(raw.ctypes.data % 64) // 4) % 16
     aligned = raw[start : start + values.size].reshape(values.shape)
@@ -30,7 +31,7 @@ def data():
     rs = np.random.RandomState(26)
     x = rs.randn(264, 16).astype("float32")
     y = (x[:, :4] @ rs.randn(4, 1) + 0.1 * rs.randn(264, 1)).astype("float32")
-    x, y = _on_a_64_byte_boundary(x), _on_a_64_byte_boundary(y)
+    x, y = on_a_64_byte_boundary(x), on_a_64_byte_boundary(y)
     return (x[:200], y[:200]), (x[200:], y[200:])
 
 
