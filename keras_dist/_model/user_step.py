@@ -79,7 +79,7 @@ def _raw_value_weighting(model, state):
     return weighted
 
 
-def _with_global_metric_results(model, logs, weighted=lambda value: value):
+def _with_global_metric_results(model, logs, weighted):
     """`logs` a step of yours returned, each value named after one of `model.metrics` replaced by its global result.
 
     keras.io returns `{m.name: m.result() for m in self.metrics}`: on a
