@@ -384,6 +384,8 @@ def main():
         return
     for key, label in (("gradients_64MB", "in 16 tensors"), ("gradients_64MB_one_tensor", "in one tensor")):
         _print_gradients(results[key], f"gradient all-reduce, 64 MB float32 {label}", tcp)
+    results["load_average_start"], results["load_average_end"] = load_start, os.getloadavg()
+    print(f"load average (1, 5, 15 min): {load_start} at the start, {results['load_average_end']} at the end")
     if args.only == "gradients":
         if args.json:
             with open(args.json, "w") as f:
@@ -409,10 +411,14 @@ def main():
 
 
 def _print_gradients(gradients, title, tcp):
-    print(f"{title:<50}{'seconds':>10}{'effective MB/s':>16}{'/ TCP':>8}")
+    print(f"{title:<50}{'seconds':>10}{'effective MB/s':>16}{'/ TCP':>8}{'rounds, MB/s':>16}")
     for name, r in gradients.items():
+        rounds = r.get("all_rounds") or [r["seconds"]]
+        size = r["effective_busbw_MBps"] * r["seconds"]  # MB
+        spread = f"{size / max(rounds):,.0f}-{size / min(rounds):,.0f}"
         print(
             f"{name:<50}{r['seconds']:>10.4f}{r['effective_busbw_MBps']:>16,.0f}{r['effective_busbw_MBps'] / tcp:>7.2f}x"
+            f"{spread:>16}"
         )
     print()
 
