@@ -27,7 +27,16 @@ gRPC collectives on loopback, one CPU replica each).
                  `ReplicaContext.all_reduce` of the same tensors; variants
                  interleaved over `--rounds` rounds, median reported.
 
+  Horovod        with `--horovod-python PATH` (the Python of a virtual environment with
+                 Horovod built with TensorFlow and Gloo, `horovodrun` beside it), the
+                 gradients section also runs Horovod's `allreduce` (Gloo, what
+                 `hvd.DistributedOptimizer` calls per gradient, tensor fusion on) of the
+                 same 64 MB, uncompressed and with `hvd.Compression.fp16`, on 2 local
+                 processes with one intra-op and one inter-op thread each (keras-dist's
+                 launcher share): one launch of each system per round, A B A B.
+
     python benchmarks/all_reduce.py [--repeats 10] [--rounds 3] [--only gradients] [--json out.json]
+        [--horovod-python /path/to/venv/bin/python]
 """
 
 import argparse
@@ -212,6 +221,87 @@ if keras_dist.is_chief():
 '''
 
 
+HOROVOD_WORKER = r"""
+import json, sys, time
+import tensorflow as tf
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+import horovod
+import horovod.tensorflow as hvd
+
+hvd.init()
+repeats, out = int(sys.argv[1]), sys.argv[2]
+size, n = 64 * 2**20, hvd.size()
+results = {}
+for key, count in (("gradients_64MB", 16), ("gradients_64MB_one_tensor", 1)):
+    gradients = [tf.ones([size // 4 // count]) for _ in range(count)]
+    results[key] = {}
+    for name, compression in (("horovod gloo", hvd.Compression.none), ("horovod gloo fp16", hvd.Compression.fp16)):
+        # One allreduce per gradient, as hvd.DistributedOptimizer runs them; Horovod fuses them (tensor fusion).
+        step = tf.function(lambda c=compression: [
+            hvd.allreduce(g, op=hvd.Sum, compression=c, name=f"gradient_{i}") for i, g in enumerate(gradients)
+        ])
+        for _ in range(2):
+            step()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            reduced = step()
+        reduced[0].numpy()
+        seconds = (time.perf_counter() - start) / repeats
+        results[key][name] = {"seconds": seconds, "all_rounds": [seconds]}
+if hvd.rank() == 0:
+    json.dump({"num_replicas_in_sync": n, "horovod_version": horovod.__version__, "tensorflow_version": tf.__version__, **results}, open(out, "w"))
+"""
+
+
+def _horovod(args, env):
+    """One Horovod launch (`horovodrun --gloo -np 2` on localhost) of HOROVOD_WORKER; returns rank 0's results.
+
+    Raises:
+        FileNotFoundError: no `horovodrun` beside `--horovod-python`.
+        subprocess.CalledProcessError: the launch failed (install Horovod with HOROVOD_WITH_TENSORFLOW=1
+            HOROVOD_WITH_GLOO=1; `horovodrun --check-build` lists what it has).
+        subprocess.TimeoutExpired: past `--timeout` seconds (its processes are stopped too).
+    """
+    horovodrun = os.path.join(os.path.dirname(args.horovod_python), "horovodrun")
+    if not os.path.exists(horovodrun):
+        raise FileNotFoundError(
+            f"--horovod-python {args.horovod_python}: expected horovodrun beside it, at {horovodrun}; "
+            "pass the Python of the virtual environment Horovod is installed in"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        script, out = os.path.join(tmp, "horovod_worker.py"), os.path.join(tmp, "out.json")
+        with open(script, "w") as f:
+            f.write(HOROVOD_WORKER)
+        command = [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", args.horovod_python, script]
+        overlap_trace._run_launch(command + [str(args.repeats), out], args.timeout, env=env)
+        with open(out) as f:
+            return json.load(f)
+
+
+def _interleaved_with_horovod(args, env):
+    """The gradients section, one launch per system and round (keras-dist, then Horovod); rounds merged, medians."""
+    merged = None
+    one_round = argparse.Namespace(**{**vars(args), "rounds": 1})
+    for _ in range(args.rounds):
+        for results in (_launch(one_round, "gradients", env), _horovod(args, env)):
+            if merged is None:
+                merged = {"num_replicas_in_sync": results["num_replicas_in_sync"]}
+            for key in ("gradients_64MB", "gradients_64MB_one_tensor"):
+                for name, row in results[key].items():
+                    merged.setdefault(key, {}).setdefault(name, {"all_rounds": []})["all_rounds"] += row["all_rounds"]
+            if "horovod_version" in results:
+                merged["horovod_version"] = results["horovod_version"]
+    n, size = merged["num_replicas_in_sync"], 64 * 2**20
+    for key in ("gradients_64MB", "gradients_64MB_one_tensor"):
+        for row in merged[key].values():
+            rounds = sorted(row["all_rounds"])
+            row["seconds"] = rounds[len(rounds) // 2]
+            row["effective_busbw_MBps"] = size * 2 * (n - 1) / n / row["seconds"] / 2**20
+    return merged
+
+
 def loopback_tcp_MBps(total=256 * 2**20, chunk=2**20):
     """Returns MB/s of one TCP stream over 127.0.0.1, sending `total` bytes."""
     server = socket.socket()
@@ -341,6 +431,10 @@ def main():
     )
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument(
+        "--horovod-python",
+        help="with --only gradients: the Python of a virtual environment with Horovod (TensorFlow, Gloo), run as a peer",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=900, help="seconds before a launch (and its workers) is stopped"
     )
     args = parser.parse_args()
@@ -352,7 +446,9 @@ def main():
     if args.only == "memory":
         _memory_report(args, env)
         return
-    results = _launch(args, args.only, env)
+    if args.horovod_python and args.only != "gradients":
+        parser.error(f"--horovod-python runs with --only gradients; received --only {args.only}")
+    results = _interleaved_with_horovod(args, env) if args.horovod_python else _launch(args, args.only, env)
     results["loopback_tcp_MBps"] = tcp
     print(f"2 workers x 1 CPU replica on loopback; loopback TCP (1 stream): {tcp:,.0f} MB/s\n")
     if args.only == "curve":
