@@ -19,6 +19,11 @@ Systems:
   tf_keras    tf.keras 2 (the `tf_keras` package) under the same strategies.
   jax         Keras 3 on JAX with `keras.distribution.DataParallel` over
               XLA's simulated host devices (one process only).
+  horovod     Horovod's Keras API (`horovod.tensorflow.keras`, Gloo) on the
+              tf.keras of the Python it runs in (the suite's `--horovod-python`):
+              `hvd.DistributedOptimizer`, variables broadcast from rank 0, each
+              process one shard at `global batch / size` (horovodrun, one
+              process per worker, no tf.distribute strategy).
 
 Workloads: see `benchmarks/suite.py`; `recommender` is an `Embedding(--embedding-rows, 64)`
 table (8 ids per example, a fifth of them from 100 popular ids) averaged into `Dense(10)`.
@@ -42,7 +47,9 @@ import time
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--system", required=True, choices=["keras_dist", "keras", "keras_loop", "tf_keras", "jax"])
+    parser.add_argument(
+        "--system", required=True, choices=["keras_dist", "keras", "keras_loop", "tf_keras", "jax", "horovod"]
+    )
     parser.add_argument("--workload", required=True, choices=["mlp", "cnn", "digits", "sequence", "recommender"])
     parser.add_argument("--replicas", type=int, default=1, help="simulated CPU replicas in this process")
     parser.add_argument("--gpu", action="store_true", help="mirror over all GPUs instead of CPU replicas")
@@ -60,6 +67,9 @@ ARGS = parse_args()
 STARTED_AT = float(os.environ.get("SUITE_STARTED_AT", time.time()))
 MULTI_WORKER = "TF_CONFIG" in os.environ and len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]) > 1
 WORKER_INDEX = json.loads(os.environ["TF_CONFIG"])["task"]["index"] if MULTI_WORKER else 0
+HOROVOD_SIZE = int(os.environ.get("HOROVOD_SIZE", "1")) if ARGS.system == "horovod" else 1
+if ARGS.system == "horovod":  # horovodrun's rank, not TF_CONFIG's
+    WORKER_INDEX = int(os.environ.get("HOROVOD_RANK", "0"))
 IS_CHIEF = WORKER_INDEX == 0
 
 
@@ -87,6 +97,11 @@ def setup():
     import tensorflow as tf
 
     _apply_threads(tf)
+    if ARGS.system == "horovod":
+        import horovod.tensorflow.keras as hvd
+
+        hvd.init()
+        return tf.keras, None
     if ARGS.system == "tf_keras":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
         import tf_keras as keras
@@ -120,7 +135,7 @@ def build(keras):
     import tensorflow as tf
 
     rng = np.random.RandomState(0)
-    batch = ARGS.global_batch_size
+    batch = ARGS.global_batch_size // HOROVOD_SIZE  # Horovod: each process batches its own shard
     L = keras.layers
     if ARGS.workload == "mlp":
         x = rng.rand(batch * 8, 784).astype("float32")
@@ -160,7 +175,10 @@ def build(keras):
         outputs = L.Dense(10)(h)
     else:
         return _sequence(keras, rng, batch)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
+    ds = tf.data.Dataset.from_tensor_slices((x, y))
+    if ARGS.system == "horovod":  # Its own shard; tf.distribute shards the others' (auto-sharding)
+        ds = ds.shard(HOROVOD_SIZE, WORKER_INDEX)
+    ds = ds.repeat().batch(batch, drop_remainder=True)
     return inputs, outputs, ds.prefetch(2), keras.optimizers.SGD(0.01)
 
 
@@ -203,6 +221,10 @@ def make_model(keras, strategy, inputs_outputs_factory):
             import keras_dist
 
             model = keras_dist.DistributedModel(inputs, outputs)
+        elif ARGS.system == "horovod":
+            import horovod.tensorflow.keras as hvd
+
+            model, optimizer = keras.Model(inputs, outputs), hvd.DistributedOptimizer(optimizer)
         else:
             model = keras.Model(inputs, outputs)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -250,7 +272,12 @@ def main():
     if fit is None:
 
         def fit(steps_per_epoch, epochs, callbacks=()):
-            model.fit(ds, steps_per_epoch=steps_per_epoch, epochs=epochs, verbose=0, callbacks=list(callbacks))
+            callbacks = list(callbacks)
+            if ARGS.system == "horovod":  # Every rank starts from rank 0's weights, as Horovod's examples do.
+                import horovod.tensorflow.keras as hvd
+
+                callbacks.insert(0, hvd.callbacks.BroadcastGlobalVariablesCallback(0))
+            model.fit(ds, steps_per_epoch=steps_per_epoch, epochs=epochs, verbose=0, callbacks=callbacks)
 
     class EpochTimer(keras.callbacks.Callback):
         def __init__(self):
@@ -272,6 +299,8 @@ def main():
         replicas = ARGS.replicas
     elif ARGS.system == "tf_keras":
         replicas = strategy.num_replicas_in_sync if strategy is not None else 1
+    elif ARGS.system == "horovod":
+        replicas = HOROVOD_SIZE
     else:
         replicas = model.distribute_strategy.num_replicas_in_sync
     peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kibibytes.

@@ -30,6 +30,12 @@ TensorFlow starts), interleaved: for each repeat, every topology, every system
               keras_dist_tf_threads  keras_dist launched with
                           `--threads-per-worker 0` (TensorFlow's thread pools),
                           to measure the launcher's thread sharing (not default)
+              horovod     Horovod's Keras API (Gloo), `hvd.DistributedOptimizer`,
+                          `fit`, in the Python given by `--horovod-python` (a
+                          virtual environment with Horovod and its TensorFlow;
+                          Horovod cannot be installed next to TF 2.21), started
+                          by the `horovodrun` beside it, one process per worker,
+                          with the launcher's thread share (optional)
 
 Measured per process: `fit` runs 1 step (startup = process start to the end
 of that step, launcher included for workers), then `--epochs` epochs of
@@ -66,9 +72,11 @@ import sys
 import tempfile
 import time
 
+from keras_dist.cli import _threads  # The launcher's thread share, given to the Horovod peer too.
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_suite_worker.py")
-SYSTEMS = ("keras_dist", "keras", "keras_loop", "tf_keras", "jax", "keras_dist_tf_threads")
+SYSTEMS = ("keras_dist", "keras", "keras_loop", "tf_keras", "jax", "keras_dist_tf_threads", "horovod")
 WORKLOADS = ("mlp", "cnn", "digits", "sequence", "recommender")
 # Raw Keras 3 on the same strategy, in order of preference, for `keras_dist_rss_over_raw_keras`.
 RAW_KERAS_SYSTEMS = ("keras", "keras_loop")
@@ -104,9 +112,13 @@ def parse_topology(text):
     return int(workers), int(replicas), False
 
 
-def unsupported(system, topology):
+def unsupported(system, topology, horovod_python=None):
     """Returns why `system` cannot run on `topology` (without trying), or None."""
     workers, replicas, gpu = parse_topology(topology)
+    if system == "horovod" and not horovod_python:
+        return "not measured: pass --horovod-python (the Python of a virtual environment with Horovod)"
+    if system == "horovod" and (replicas > 1 or gpu):
+        return "n/a: Horovod runs one process per device (its 1x2 is 2x1 on one host)"
     if system == "tf_keras" and importlib.util.find_spec("tf_keras") is None:
         return "not installed (pip install tf-keras)"
     if system == "jax" and importlib.util.find_spec("jax") is None:
@@ -143,6 +155,11 @@ def command_for(system, topology, workload, args, out):
         script.append("--gpu")
     if workload == "recommender" and getattr(args, "embedding_rows", None) is not None:
         script += ["--embedding-rows", str(args.embedding_rows)]
+    if system == "horovod":
+        if workers == 1:
+            return [args.horovod_python, *script]
+        horovodrun = os.path.join(os.path.dirname(args.horovod_python), "horovodrun")
+        return [horovodrun, "--gloo", "-np", str(workers), "-H", f"localhost:{workers}", args.horovod_python, *script]
     if workers == 1:
         return [sys.executable, *script, "--replicas", str(replicas)]
     threads = 0 if system == "keras_dist_tf_threads" else args.threads_per_worker
@@ -160,6 +177,11 @@ def measure(system, topology, workload, args, tmp):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1", "SUITE_STARTED_AT": repr(time.time())}
     for name in ("TF_CONFIG", "KERAS_DIST_CPU_REPLICAS", "KERAS_BACKEND", "XLA_FLAGS"):
         env.pop(name, None)
+    workers = parse_topology(topology)[0]
+    if system == "horovod" and workers > 1:  # The thread share keras-dist's launcher gives its workers.
+        threads = _threads.threads_per_worker(workers, _threads.host_cpu_count(), args.threads_per_worker)
+        if threads:
+            env[_threads.INTRA_OP_THREADS_ENV] = env[_threads.INTER_OP_THREADS_ENV] = str(threads)
     load_average = os.getloadavg()[0]
     result = run_measurement(command_for(system, topology, workload, args, out), env, out, args.timeout)[0]
     result["load_average_before"] = load_average
@@ -242,7 +264,7 @@ def run_suite(args):
                 for topology in args.topologies:
                     for system in args.systems:
                         row = rows.setdefault((workload, topology, system), {"runs": [], "note": None})
-                        row["note"] = row["note"] or unsupported(system, topology)
+                        row["note"] = row["note"] or unsupported(system, topology, args.horovod_python)
                         if row["note"] is not None:
                             continue
                         result = measure(system, topology, workload, args, tmp)
@@ -399,6 +421,11 @@ def main():
         type=int,
         default=None,
         help="passed to keras-dist launch for every system (default: the launcher's default)",
+    )
+    parser.add_argument(
+        "--horovod-python",
+        default=None,
+        help="for system horovod: the Python of a virtual environment with Horovod (TensorFlow, Gloo), horovodrun beside it",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per measurement")
     parser.add_argument("--json", help="write the figures here")
