@@ -26,6 +26,7 @@ from keras.src import backend
 from keras.src.losses import loss as keras_loss
 from keras.src.metrics import reduction_metrics
 
+from keras_dist._runtime import gather as gather_module
 from keras_dist._runtime import global_batch, step_state
 
 _ORIGINAL_UPDATE_STATE = reduction_metrics.MeanMetricWrapper.update_state
@@ -54,8 +55,8 @@ def _update_state(self, y_true, y_pred, sample_weight=None):
         return _ORIGINAL_UPDATE_STATE(self, y_true, y_pred, sample_weight)
     mask = backend.get_keras_mask(y_pred)
 
-    def gather(value):
-        return None if value is None else context.all_gather(tf.convert_to_tensor(value), axis=0)
+    def gather(value):  # keras-dist's own gather: labels straight from the iterator have no device (workers)
+        return None if value is None else gather_module.all_gather_without_gradient(value)
 
     y_true, y_pred, sample_weight = (
         tree.map_structure(gather, y_true),
