@@ -183,7 +183,7 @@ def _recording_add_loss(self, loss):
     once (`SUM`), not by its share of the examples as the rest of `total`
     (and a scalar the user adds, which may be a mean) does:
     - a value with one entry per example (its leading dimension is the
-      batch's, `_per_example`), such as keras.io's OCR `CTCLayer` adding
+      batch's, `per_example`), such as keras.io's OCR `CTCLayer` adding
       `ctc_batch_cost`, shape `(batch, 1)`;
     - on a Keras before 3.14, `activity_regularizer(output)` as
       `Layer.__call__` adds it (keras-team/keras#22018; 3.14 divides it by the
@@ -194,14 +194,14 @@ def _recording_add_loss(self, loss):
     if record is not None:
         activity = sys._getframe(1).f_code is _LAYER_CALL_CODE and _compat.sums_activity_regularization()
         for value in tree.flatten(loss):
-            if tf.is_tensor(value) and (activity or _per_example(value, step)):
+            if tf.is_tensor(value) and (activity or per_example(value, step)):
                 record.terms.append(LossTerm(value, SUM))
                 if record.tape is not None:
                     record.tape.watch(value)
     return _ORIGINAL["add_loss"](self, loss)
 
 
-def _per_example(value, step):
+def per_example(value, step):
     """Whether `value` has one entry per example of this replica's batch along its leading dimension.
 
     Known when traced: the leading dimension is unknown (the batch's, as

@@ -7,12 +7,16 @@ optimizer's `apply` to weight its gradients by the replica's example share, and
 """
 
 import contextlib
+import threading
 
 import tensorflow as tf
 from keras import tree
 
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import loss_terms, step_state, steps
+
+_ORIGINAL_GRADIENT = tf.GradientTape.gradient
+_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -34,7 +38,13 @@ def user_step(model, data, *, options, marks=None):
     - a scalar `keras.metrics.Mean.update_state(value)` counts the value by
       this replica's example share, so that the tracker's result (summed over
       the replicas, or averaged as Keras does with the values a step
-      returns) is the mean of the global batch's values.
+      returns) is the mean of the global batch's values;
+    - `tape.gradient` of one value per example (the tf.keras guide's
+      `loss = keras.losses.mean_squared_error(y, y_pred)`, shape `(batch,)`),
+      which TensorFlow differentiates as the sum of the values, returns its
+      gradients divided by the example share, so that after the weighting
+      above they count once each: the gradient of the global batch's sum,
+      as on one device (`_per_example_gradient`).
 
     Args:
         model: The `keras.Model` whose overridden step runs in the block.
@@ -61,8 +71,58 @@ def user_step(model, data, *, options, marks=None):
     if step.marks is not None:
         step.marks.stamp("batch", data)
     loss_terms.one_device_scaling_installed()
+    _install_gradient()
     with step_state.running(step):
         yield step
+
+
+def _install_gradient():
+    """Installs `_gradient` as `tf.GradientTape.gradient` (idempotent); outside a user's step it is TensorFlow's."""
+    with _LOCK:
+        if tf.GradientTape.gradient is not _gradient:
+            tf.GradientTape.gradient = _gradient
+
+
+def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
+    gradients = _ORIGINAL_GRADIENT(self, target, sources, output_gradients, *args, **kwargs)
+    step = step_state.current()
+    if step is None or not step.user_step or output_gradients is not None:
+        return gradients
+    return _per_example_gradient(target, gradients, step)
+
+
+def _per_example_gradient(target, gradients, step):
+    """`gradients` of `target` divided by the example share where `target` holds one value per example.
+
+    TensorFlow's gradient of a non-scalar target is the gradient of its sum:
+    this replica's part of the global batch's sum, which counts once (a sum
+    over the replicas), not by the example share the optimizer weights a
+    user's step's gradients by (made for a mean over the examples). A
+    target whose leaves all have one value per example of this replica's
+    batch along their leading dimension (`loss_terms.per_example` when
+    traced, the replica's example count when run) gets its gradients divided
+    by the share (0 on a replica without examples); scalars (means, sums: a
+    scalar sum still counts by the share), values over the gathered global
+    batch, and mixed structures are left as they are.
+    """
+    leaves = [t for t in tree.flatten(target) if tf.is_tensor(t)]
+    if not leaves or not all(t.dtype.is_floating and loss_terms.per_example(t, step) for t in leaves):
+        return gradients
+    # At run time too: a loss over the gathered global batch (keras_dist.ops.all_gather: keras.io's
+    # dual encoder) has one value per global example, the same on every replica, and counts by the share.
+    examples = tf.cast(step.num_examples, tf.int32)
+    mine = tf.reduce_all([tf.equal(tf.shape(t, out_type=tf.int32)[0], examples) for t in leaves])
+    scale = tf.where(mine, tf.math.divide_no_nan(1.0, step.example_share()), 1.0)
+
+    def scaled(gradient):
+        if gradient is None:
+            return None
+        if isinstance(gradient, tf.IndexedSlices):
+            factor = tf.cast(scale, gradient.values.dtype)
+            return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+        return gradient * tf.cast(scale, gradient.dtype)
+
+    return tf.nest.map_structure(scaled, gradients)
 
 
 def user_step_loss(model, compute_loss, step, options):

@@ -39,6 +39,7 @@ PROGRAMS = [
     "c26_pydataset_regression",
     "c27_segmentation_mean_iou",
     "c28_ocr_ctc_add_loss",
+    "c29_tf_keras_guide_vector_loss",
 ]
 KNOWN_FAILURES = {}
 

@@ -257,6 +257,42 @@ def test_user_train_step_on_uneven_replica_batches(mirrored_1x3_cpu, mixin):
     _train_both(mirrored_1x3_cpu, build, x, y, batch_size=8, evaluate=mixin is _GuideStep, logs=mixin is _GuideStep)
 
 
+class _PerExampleLossStep:
+    """The tf.keras guide's step: `keras.losses.mean_squared_error` is one value per example (probe p14h)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y, self(x, training=True))  # shape (batch,)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"loss": ops.mean(loss)}
+
+
+def test_user_step_with_a_per_example_loss_vector(mirrored_1x3_cpu):
+    """`tape.gradient` of a `(batch,)` loss is the gradient of its sum: it trained on about 1/3 of it on 3 replicas."""
+    x, y = _regression(18, seed=7)
+    build = _dense_with_step(_PerExampleLossStep)
+    # The step returns a raw mean (averaged by Keras over uneven parts): weights only.
+    _train_both(mirrored_1x3_cpu, build, x, y, batch_size=8, evaluate=False, logs=False)
+
+
+def test_user_step_with_a_per_example_loss_vector_and_embedding_rows(mirrored_1x2_cpu):
+    """The same through an Embedding: its gradient is IndexedSlices, scaled as rows (last batch 1: one empty replica)."""
+    plain, distributed = _classes(_PerExampleLossStep)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((2,), dtype="int32")
+        hidden = keras.layers.Flatten()(keras.layers.Embedding(7, 3)(inputs))
+        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    rs = np.random.RandomState(3)
+    x, y = rs.randint(0, 7, (9, 2)).astype("int32"), rs.rand(9, 1).astype("float32")
+    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=4, evaluate=False, logs=False)
+
+
 class _LossOnlyGuideStep(_GuideStep):
     @property
     def metrics(self):
@@ -320,6 +356,22 @@ def test_custom_step_losses_global_sums_gradients(mirrored_1x2_cpu):
 
 
 # ------------------------------------------------------------------ known gaps (docs/numerics.md)
+class _ScalarSumLossStep:
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.sum(ops.square(y - self(x, training=True)))  # one number: a sum over the batch
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"loss": loss}
+
+
+@pytest.mark.xfail(strict=True, reason="a scalar loss in a step you write is taken for a mean over the examples")
+def test_user_step_with_a_scalar_sum_loss(mirrored_1x2_cpu):
+    x, y = _regression(16, seed=8)
+    _train_both(mirrored_1x2_cpu, _dense_with_step(_ScalarSumLossStep), x, y, batch_size=8, evaluate=False, logs=False)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="Keras multiplies a loss function's one number by the weights' batch mean: no split keeps that product",
