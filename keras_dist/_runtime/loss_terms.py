@@ -59,7 +59,9 @@ _ORIGINAL = {
     "unscale_loss_for_distribution": keras_loss.unscale_loss_for_distribution,
     "mean_update_state": reduction_metrics.Mean.update_state,
     "add_loss": keras_layer.Layer.add_loss,
+    "loss_call": keras_loss.Loss.__call__,
 }
+_LOSS_DEPTH = threading.local()  # `value`: the `Loss.__call__`s running on this thread (a replica's).
 # The body of `Layer.__call__` (under its traceback filter): where Keras adds each activity regularizer's loss.
 _LAYER_CALL_CODE = inspect.unwrap(keras_layer.Layer.__call__).__code__
 _RECORDS = {}  # id(replica context) -> LossRecord, inside `recording`.
@@ -125,6 +127,7 @@ def _install():
             keras_loss.unscale_loss_for_distribution = _unscale_loss_for_distribution
             reduction_metrics.Mean.update_state = _mean_update_state
             keras_layer.Layer.add_loss = _recording_add_loss
+            keras_loss.Loss.__call__ = _counting_loss_call
 
 
 def one_device_scaling_installed():
@@ -236,12 +239,25 @@ def _note_tracker(record):
     )
 
 
+def _counting_loss_call(self, *args, **kwargs):
+    """`Loss.__call__`, counting how many run on this thread (a loss called inside another's function)."""
+    depth = getattr(_LOSS_DEPTH, "value", 0)
+    _LOSS_DEPTH.value = depth + 1
+    try:
+        return _ORIGINAL["loss_call"](self, *args, **kwargs)
+    finally:
+        _LOSS_DEPTH.value = depth
+
+
 def _recording_reduce_weighted_values(
     values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None
 ):
     result = _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
     record = _RECORDS.get(step_state.replica_key()) if step_state.current() is not None else None
-    if record is None:
+    if record is None or getattr(_LOSS_DEPTH, "value", 0) > 1:
+        # Not a term: a `Loss` called inside another loss's function (TensorFlow's transformer tutorial
+        # calls `SparseCategoricalCrossentropy(reduction="none")` in its `masked_loss`); what that
+        # function returns is reduced, and recorded, by the outer loss (it was counted twice).
         return result
     record.terms.append(_term(result, values, sample_weight, mask, reduction, dtype))
     if record.tape is not None and tf.is_tensor(result):

@@ -88,6 +88,27 @@ def test_compiled_losses_on_uneven_batches(mirrored_1x3_cpu, loss):
     _train_both(mirrored_1x3_cpu, build, x, y, batch_size=4, fit_kwargs=fit_kwargs)
 
 
+def _per_example_from_a_loss_object(y_true, y_pred):  # A Loss with reduction="none" inside a loss function.
+    return keras.losses.MeanSquaredError(reduction="none")(y_true, y_pred)
+
+
+_OUTER_OBJECT = keras.losses.MeanAbsoluteError(reduction="none")
+
+
+def _mean_of_a_loss_object(y_true, y_pred):  # The same, reduced by the function (a loss object made outside).
+    return ops.mean(_OUTER_OBJECT(y_true, y_pred)) + ops.mean(keras.losses.MeanSquaredError()(y_true, y_pred))
+
+
+@pytest.mark.parametrize(
+    "loss", [_per_example_from_a_loss_object, _mean_of_a_loss_object], ids=["per_example", "reduced_by_the_function"]
+)
+def test_loss_function_calling_a_loss_object(mirrored_1x3_cpu, loss):
+    """A Loss called inside a loss function was recorded as a term of its own too: loss and gradient doubled."""
+    x, y = _regression(10, seed=4)
+    build = lambda cls, kwargs: _dense(cls, kwargs, loss)  # noqa: E731
+    _train_both(mirrored_1x3_cpu, build, x, y, batch_size=4)
+
+
 def test_scalar_loss_function_stops_at_the_same_epoch(mirrored_1x2_cpu):
     """A loss function returning one scalar (`ops.mean` inside it) doubled the gradient and logged loss on 2 replicas, so EarlyStopping stopped at another epoch."""
     x, y = _regression(24, seed=3)
