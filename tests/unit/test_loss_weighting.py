@@ -387,6 +387,67 @@ class _ScalarSumLossStep:
         return {"loss": loss}
 
 
+class _HandClippedStep:
+    """Public scripts clip in the step: `tf.clip_by_global_norm(grads, ...)` before `apply_gradients` (probe F6)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(y - self(x, training=True)))
+        gradients, _ = tf.clip_by_global_norm(tape.gradient(loss, self.trainable_variables), 0.5)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"loss": loss}
+
+
+@pytest.mark.xfail(strict=True, reason="tape.gradient in a step you write is the replica's own gradient, clipped alone")
+def test_user_step_clipping_its_gradients_by_hand(mirrored_1x2_cpu):
+    x, y = _regression(16, seed=9)
+    y = y * 10.0  # Large errors: the clip binds.
+    _train_both(mirrored_1x2_cpu, _dense_with_step(_HandClippedStep), x, y, batch_size=8, evaluate=False, logs=False)
+
+
+class _HandUpdateStep:
+    """A step that updates the weights itself, without an optimizer: `v.assign_sub(lr * g)` (probe F3)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(y - self(x, training=True)))
+        for variable, gradient in zip(self.trainable_variables, tape.gradient(loss, self.trainable_variables)):
+            variable.assign_sub(0.1 * gradient)
+        return {"loss": loss}
+
+
+@pytest.mark.xfail(strict=True, reason="an assignment in the replica's step updates its own copy: no sum over replicas")
+def test_user_step_updating_weights_by_hand(mirrored_1x2_cpu):
+    x, y = _regression(16, seed=10)
+    _train_both(mirrored_1x2_cpu, _dense_with_step(_HandUpdateStep), x, y, batch_size=8, evaluate=False, logs=False)
+
+
+class _CountingLayer(keras.layers.Layer):
+    """keras.io's "making new layers" state: a non-trainable sum of what the layer saw in training (probe F4)."""
+
+    def build(self, input_shape):
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False, name="seen")
+
+    def call(self, inputs, training=False):
+        if training:
+            self.seen.assign_add(ops.cast(ops.shape(inputs)[0], "float32"))
+        return inputs
+
+
+@pytest.mark.xfail(strict=True, reason="a layer's non-trainable state is averaged over the replicas: a count is halved")
+def test_layer_counting_its_examples(mirrored_1x2_cpu):
+    def build(cls, kwargs):
+        inputs = keras.Input((3,))
+        model = cls(inputs, keras.layers.Dense(1)(_CountingLayer()(inputs)), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    x, y = _regression(16, seed=11)
+    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=False, logs=False)
+
+
 @pytest.mark.xfail(strict=True, reason="a scalar loss in a step you write is taken for a mean over the examples")
 def test_user_step_with_a_scalar_sum_loss(mirrored_1x2_cpu):
     x, y = _regression(16, seed=8)
