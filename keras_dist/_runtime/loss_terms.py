@@ -378,13 +378,15 @@ def global_surrogate(record, total, example_share, shares):
     counts by `example_share` (the regularizers, the same on every replica,
     then count once in all). Each recorded term counts by its own share
     instead: `(share - example_share) x d total / d term x term` is added.
+    A `total` of one value per example (a compiled loss with `reduction="none"`,
+    which Keras leaves unreduced) counts as its sum, as its gradient does.
     """
-    surrogate = tf.cast(example_share, total.dtype) * total
     adjust = [(i, t) for i, t in enumerate(record.terms) if not t.weighted_by_examples]
-    if not adjust:
-        return surrogate
     values = [t.value for _, t in adjust]
-    weights = record.tape.gradient(total, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    weights = record.tape.gradient(total, values, unconnected_gradients=tf.UnconnectedGradients.ZERO) if adjust else []
+    if total.shape.rank != 0:  # A compiled loss with reduction="none": one device differentiates its sum.
+        total = tf.reduce_sum(total)
+    surrogate = tf.cast(example_share, total.dtype) * total
     for (i, term), weight in zip(adjust, weights):
         delta = tf.cast(shares[i] - example_share, total.dtype)
         surrogate += delta * tf.reduce_sum(

@@ -179,7 +179,10 @@ def _global_loss(model, record, loss, num_examples, options):
     part = loss_terms.global_surrogate(record, loss, share, shares)
     loss_terms.update_trackers(record, shares, model.distribute_strategy.num_replicas_in_sync)
     tracker = model._loss_tracker
-    tracker.total.assign_add(tf.cast(global_examples * tf.cast(part, tf.float32), tracker.total.dtype))
+    # A loss of one value per example (`reduction="none"`): `part` is this replica's sum, and Keras'
+    # tracker logs the mean of every value.
+    weight = global_examples if loss.shape.rank == 0 else 1.0
+    tracker.total.assign_add(tf.cast(weight * tf.cast(part, tf.float32), tracker.total.dtype))
     tracker.count.assign_add(tf.cast(count[0], tracker.count.dtype))
     return part, global_examples
 

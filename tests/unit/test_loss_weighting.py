@@ -72,8 +72,9 @@ def _scalar_mse(y_true, y_pred):  # keras.io style: the loss function reduces it
         keras.losses.MeanSquaredError(reduction="sum"),
         _scalar_mse,
         keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+        keras.losses.MeanSquaredError(reduction="none"),  # Crashed (a vector into the loss tracker).
     ],
-    ids=["mean", "sum", "scalar_function", "mean_with_sample_weight"],
+    ids=["mean", "sum", "scalar_function", "mean_with_sample_weight", "none"],
 )
 def test_compiled_losses_on_uneven_batches(mirrored_1x3_cpu, loss):
     """10 examples, batch 4 on 3 replicas: parts 2/1/1 and 1/1/0 (a replica without examples).
