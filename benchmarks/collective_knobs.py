@@ -16,13 +16,19 @@ inter-op thread per worker (the launcher's share of 2 cores):
   unordered (V1 ops)         `CollectiveReduce` (V1), which automatic control dependencies do not
                              chain, so the 16 collectives run concurrently; V2 collectives in one
                              `tf.function` run one after the other (they are stateful)
+  grpc: ...                  gRPC channel arguments through `TF_GRPC_DEFAULT_OPTIONS`, which
+                             TensorFlow reads when it creates its channels: 16 MB HTTP/2 frames
+                             (`grpc.http2.max_frame_size`), a 64 MB flow-control window
+                             (`grpc.http2.lookahead_bytes`), 4 MB TCP reads
+                             (`grpc.experimental.tcp_*read_chunk_size`), no BDP probing
+                             (`grpc.http2.bdp_probe=0`), and the first three together
 
 It also reports the CPU time both workers spent per second of wall time (`os.times`) in the
 default variant: near 2.0 means the all-reduce itself keeps both cores of this machine busy.
 
     python benchmarks/collective_knobs.py [--rounds 3] [--json out.json]
 
-About 2 minutes on 2 CPU cores. The knobs are private TensorFlow configuration (set through
+About 4 minutes on 2 CPU cores. The knobs are private TensorFlow configuration (set through
 `context.context()._config` before the strategy starts); keras-dist sets none of them.
 """
 
@@ -83,6 +89,18 @@ wall, after = time.perf_counter() - start, os.times()
 print(json.dumps({"seconds": wall / int(sys.argv[2]), "cpu_per_wall": (after.user - cpu.user + after.system - cpu.system) / wall}))
 """
 
+_READS = (
+    "grpc.experimental.tcp_read_chunk_size=4194304,grpc.experimental.tcp_min_read_chunk_size=1048576,"
+    "grpc.experimental.tcp_max_read_chunk_size=16777216"
+)
+# Variants run as "default" with these gRPC channel arguments (TF_GRPC_DEFAULT_OPTIONS, "name=value,...").
+GRPC_VARIANTS = {
+    "grpc: 16 MB frames": "grpc.http2.max_frame_size=16777215",
+    "grpc: 64 MB window": "grpc.http2.lookahead_bytes=67108864",
+    "grpc: 4 MB reads": _READS,
+    "grpc: no BDP probe": "grpc.http2.bdp_probe=0",
+    "grpc: frames+window+reads": f"grpc.http2.max_frame_size=16777215,grpc.http2.lookahead_bytes=67108864,{_READS}",
+}
 VARIANTS = [
     "default",
     "recv_buf_max_chunk=-1",
@@ -90,6 +108,7 @@ VARIANTS = [
     "num_channels_per_target=4",
     "max_subdivs_per_device=1",
     "unordered (V1 ops)",
+    *GRPC_VARIANTS,
 ]
 
 
@@ -99,7 +118,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_two_workers(script, args, timeout):
+def run_two_workers(script, args, timeout, extra_env=None):
     """Runs `python -c script *args` as 2 fresh local workers of one cluster; returns both stdouts.
 
     Each worker gets its own `TF_CONFIG` (a 2-worker cluster on free loopback ports) and
@@ -112,7 +131,7 @@ def run_two_workers(script, args, timeout):
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
     procs = []
     for index in range(2):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(extra_env or {}))
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
         procs.append(
             subprocess.Popen(
@@ -141,7 +160,9 @@ def run_variant(variant, calls, timeout=300):
         RuntimeError: a worker failed (its stderr's tail in the message).
         subprocess.TimeoutExpired: past `timeout` seconds (both workers are killed first).
     """
-    outputs = run_two_workers(WORKER, [variant, str(calls)], timeout)
+    grpc = GRPC_VARIANTS.get(variant)
+    extra_env = {"TF_GRPC_DEFAULT_OPTIONS": grpc} if grpc else None
+    outputs = run_two_workers(WORKER, ["default" if grpc else variant, str(calls)], timeout, extra_env)
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     return results[0]["seconds"], sum(r["cpu_per_wall"] for r in results)
 
@@ -166,7 +187,7 @@ def main():
     default = statistics.median(times["default"])
     results = {"load_average_start": load_start, "load_average_end": os.getloadavg(), "variants": {}}
     print("64 MB float32 as 16 collectives of 4 MB, 2 workers x 1 CPU replica on loopback")
-    print(f"{'variant':<28}{'seconds':>9}{'MB/s':>8}{'vs default':>12}{'CPU s / wall s (2 workers)':>28}")
+    print(f"{'variant':<30}{'seconds':>9}{'MB/s':>8}{'vs default':>12}{'CPU s / wall s (2 workers)':>28}")
     for variant in VARIANTS:
         seconds = statistics.median(times[variant])
         results["variants"][variant] = {
@@ -176,7 +197,7 @@ def main():
             "cpu_per_wall_both_workers": statistics.median(cpu[variant]),
         }
         print(
-            f"{variant:<28}{seconds:>9.4f}{size / seconds / 2**20:>8.0f}{default / seconds:>11.2f}x"
+            f"{variant:<30}{seconds:>9.4f}{size / seconds / 2**20:>8.0f}{default / seconds:>11.2f}x"
             f"{statistics.median(cpu[variant]):>28.2f}"
         )
     print(f"load average (1, 5, 15 min): {load_start} at the start, {results['load_average_end']} at the end")
