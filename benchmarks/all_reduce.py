@@ -49,6 +49,7 @@ import threading
 import time
 
 import overlap_trace  # benchmarks/, this script's directory: its launcher runner
+import suite  # benchmarks/: where the Horovod peer's horovodrun is found
 
 WORKER = r'''
 import json, sys, time
@@ -264,12 +265,7 @@ def _horovod(args, env):
             HOROVOD_WITH_GLOO=1; `horovodrun --check-build` lists what it has).
         subprocess.TimeoutExpired: past `--timeout` seconds (its processes are stopped too).
     """
-    horovodrun = os.path.join(os.path.dirname(args.horovod_python), "horovodrun")
-    if not os.path.exists(horovodrun):
-        raise FileNotFoundError(
-            f"--horovod-python {args.horovod_python}: expected horovodrun beside it, at {horovodrun}; "
-            "pass the Python of the virtual environment Horovod is installed in"
-        )
+    horovodrun = suite.horovodrun_beside(args.horovod_python)
     with tempfile.TemporaryDirectory() as tmp:
         script, out = os.path.join(tmp, "horovod_worker.py"), os.path.join(tmp, "out.json")
         with open(script, "w") as f:

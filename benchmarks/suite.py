@@ -33,7 +33,7 @@ TensorFlow starts), interleaved: for each repeat, every topology, every system
               horovod     Horovod's Keras API (Gloo), `hvd.DistributedOptimizer`,
                           `fit`, in the Python given by `--horovod-python` (a
                           virtual environment with Horovod and its TensorFlow;
-                          Horovod cannot be installed next to TF 2.21), started
+                          it could not be installed next to TF 2.21), started
                           by the `horovodrun` beside it, one process per worker,
                           with the launcher's thread share (optional)
 
@@ -112,6 +112,21 @@ def parse_topology(text):
     return int(workers), int(replicas), False
 
 
+def horovodrun_beside(python):
+    """The `horovodrun` of the virtual environment whose Python is `python` (`--horovod-python`).
+
+    Raises:
+        FileNotFoundError: there is no `horovodrun` beside `python`.
+    """
+    horovodrun = os.path.join(os.path.dirname(python), "horovodrun")
+    if not os.path.exists(horovodrun):
+        raise FileNotFoundError(
+            f"--horovod-python {python}: expected horovodrun beside it, at {horovodrun}; "
+            "pass the Python of the virtual environment Horovod is installed in"
+        )
+    return horovodrun
+
+
 def unsupported(system, topology, horovod_python=None):
     """Returns why `system` cannot run on `topology` (without trying), or None."""
     workers, replicas, gpu = parse_topology(topology)
@@ -158,7 +173,7 @@ def command_for(system, topology, workload, args, out):
     if system == "horovod":
         if workers == 1:
             return [args.horovod_python, *script]
-        horovodrun = os.path.join(os.path.dirname(args.horovod_python), "horovodrun")
+        horovodrun = horovodrun_beside(args.horovod_python)
         return [horovodrun, "--gloo", "-np", str(workers), "-H", f"localhost:{workers}", args.horovod_python, *script]
     if workers == 1:
         return [sys.executable, *script, "--replicas", str(replicas)]

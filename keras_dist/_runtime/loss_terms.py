@@ -62,7 +62,7 @@ _ORIGINAL = {
     "loss_call": keras_loss.Loss.__call__,
 }
 # TensorFlow's own (`user_steps` wraps `tf.GradientTape.gradient` for the user's steps at run time).
-_TAPE_GRADIENT = tf.GradientTape.gradient
+TAPE_GRADIENT = tf.GradientTape.gradient
 _LOSS_DEPTH = threading.local()  # `value`: the `Loss.__call__`s running on this thread (a replica's).
 # The body of `Layer.__call__` (under its traceback filter): where Keras adds each activity regularizer's loss.
 _LAYER_CALL_CODE = inspect.unwrap(keras_layer.Layer.__call__).__code__
@@ -386,7 +386,7 @@ def global_surrogate(record, total, example_share, shares):
     adjust = [(i, t) for i, t in enumerate(record.terms) if not t.weighted_by_examples]
     values = [t.value for _, t in adjust]
     zero = tf.UnconnectedGradients.ZERO
-    weights = _TAPE_GRADIENT(record.tape, total, values, unconnected_gradients=zero) if adjust else []
+    weights = TAPE_GRADIENT(record.tape, total, values, unconnected_gradients=zero) if adjust else []
     if total.shape.rank != 0:  # A compiled loss with reduction="none": one device differentiates its sum.
         total = tf.reduce_sum(total)
     surrogate = tf.cast(example_share, total.dtype) * total

@@ -15,7 +15,6 @@ from keras import tree
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import loss_terms, step_state, steps
 
-_ORIGINAL_GRADIENT = tf.GradientTape.gradient
 _LOCK = threading.Lock()
 
 
@@ -84,7 +83,7 @@ def _install_gradient():
 
 
 def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
-    gradients = _ORIGINAL_GRADIENT(self, target, sources, output_gradients, *args, **kwargs)
+    gradients = loss_terms.TAPE_GRADIENT(self, target, sources, output_gradients, *args, **kwargs)
     step = step_state.current()
     if step is None or not step.user_step or output_gradients is not None:
         return gradients
