@@ -89,8 +89,9 @@ FIXES = {
             "and logs the loss divided by num_replicas_in_sync when it uses compute_loss.",
             remedy="While a user's train_step/test_step runs, Keras' loss scaling is off, each replica's "
             "gradients count by its share of the global batch's examples, compute_loss counts each term by "
-            "its divisor, scalar Mean tracker updates count by the example share, and tape.gradient of one "
-            "value per example (a sum's gradient) counts once per replica.",
+            "its divisor, scalar Mean tracker updates count by the example share, tape.gradient of one "
+            "value per example (a sum's gradient) counts once per replica, and tape.gradient with respect to "
+            "trainable variables returns the global batch's gradient (clipping by hand, SAM, hand updates).",
             checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),

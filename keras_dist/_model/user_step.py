@@ -14,7 +14,8 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist._runtime import user_steps
+from keras_dist._runtime import accumulation, user_steps, variables
+from keras_dist.collectives import _all_reduce
 
 CUSTOM_STEP_LOSSES = ("mean", "global")
 
@@ -32,10 +33,39 @@ def exact_for_global_batch(model, step, *, marks=None):
         return step
 
     def run(data):
-        with user_steps.user_step(model, data, options=model.communication.to_tensorflow(), marks=marks) as state:
+        with user_steps.user_step(
+            model,
+            data,
+            options=model.communication.to_tensorflow(),
+            marks=marks,
+            tape_all_reduce=_tape_all_reduce(model),
+        ) as state:
             return _with_global_metric_results(model, step(data), _raw_value_weighting(model, state))
 
     return run
+
+
+def _tape_all_reduce(model):
+    """The all-reduce that makes `tape.gradient` in a step of the user's return the global batch's gradients.
+
+    `None` (the replica's gradients reach `apply`, which sums them) when an
+    optimizer of the model accumulates gradients (each replica sums its k
+    micro-batches before one all-reduce) or Keras' own sum inside `apply`
+    is in use (`sum_gradients_before_apply` off).
+    """
+    optimizers = variables.optimizers_in([getattr(model, "optimizer", None), *vars(model).values()])
+    if not _compat.is_active("sum_gradients_before_apply") or any(
+        accumulation.accumulates_anywhere(o) for o in optimizers
+    ):
+        return None
+    strategy = model._distribute_strategy
+    multi_worker = variables.is_multi_worker(strategy)
+
+    def all_reduce(gradients, sources):
+        names = [getattr(v, "path", None) or v.name for v in sources] if multi_worker else None
+        return _all_reduce.all_reduce_gradients(gradients, model.communication, names=names)[0]
+
+    return all_reduce
 
 
 def _raw_value_weighting(model, state):

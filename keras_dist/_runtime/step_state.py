@@ -47,6 +47,14 @@ class ReplicaStep:
         marks: `None` (the timeline is off), or this replica's
             `step_marks.StepMarks`: the gradient all-reduce and `apply` take
             their timestamps there.
+        tape_all_reduce: `None`, or (a step the user wrote, which trains)
+            `fn(gradients, variables) -> gradients` summing a list of
+            gradients of `variables` over the replicas (the optimizer's
+            all-reduce): `tf.GradientTape.gradient` then returns the global
+            batch's gradients (`user_steps`).
+        global_gradient_ids: `id`s of the variables whose gradients
+            `tape_all_reduce` already summed in this step: `apply` takes
+            their gradients as they are.
     """
 
     weighting: str
@@ -56,10 +64,27 @@ class ReplicaStep:
     extras_sums: object = None
     user_step: bool = False
     marks: object = None
+    tape_all_reduce: object = None
+    global_gradient_ids: set = dataclasses.field(default_factory=set)
 
     def example_share(self):
         """float32 scalar `num_examples / global_examples` (0 when the global batch is empty)."""
         return tf.math.divide_no_nan(tf.cast(self.num_examples, tf.float32), tf.cast(self.global_examples, tf.float32))
+
+    def by_share(self, gradient):
+        """`gradient` (a tensor, `tf.IndexedSlices` or `None`) times `example_share()`; zeros on a replica without examples."""
+        if gradient is None:
+            return None
+        share = self.example_share()
+        if isinstance(gradient, tf.IndexedSlices):
+            return tf.IndexedSlices(
+                gradient.values * tf.cast(share, gradient.values.dtype), gradient.indices, gradient.dense_shape
+            )
+        return tf.where(self.num_examples > 0, gradient * tf.cast(share, gradient.dtype), tf.zeros_like(gradient))
+
+    def already_summed(self, variables):
+        """Whether the gradients of every one of `variables` were summed over the replicas by `tape_all_reduce`."""
+        return bool(variables) and all(id(v) in self.global_gradient_ids for v in variables)
 
 
 def replica_key():

@@ -9,8 +9,10 @@ optimizer's `apply` to weight its gradients by the replica's example share, and
 import contextlib
 import threading
 
+import keras
 import tensorflow as tf
 from keras import tree
+from tensorflow.python.eager import record
 
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import loss_terms, step_state, steps
@@ -19,7 +21,7 @@ _LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def user_step(model, data, *, options, marks=None):
+def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
     """Runs a `train_step`/`test_step` the user wrote for one device (the block) as exact for the global batch.
 
     keras.io writes such a step with its replica's own mean loss
@@ -43,7 +45,13 @@ def user_step(model, data, *, options, marks=None):
       which TensorFlow differentiates as the sum of the values, returns its
       gradients divided by the example share, so that after the weighting
       above they count once each: the gradient of the global batch's sum,
-      as on one device (`_per_example_gradient`).
+      as on one device (`_per_example_gradient`);
+    - with `tape_all_reduce`, `tape.gradient` of a loss with respect to
+      trainable variables returns the global batch's gradients: this
+      replica's, weighted by its example share, summed over the replicas
+      (`_global_gradient`). What the step then does with them (clips them by
+      their global norm, `assign_sub`s them, perturbs the weights as SAM
+      does) is what one device does, and `apply` sums nothing again.
 
     Args:
         model: The `keras.Model` whose overridden step runs in the block.
@@ -53,6 +61,10 @@ def user_step(model, data, *, options, marks=None):
         marks: `None`, or the timeline's `step_marks.StepMarksBuffer`: the
             step takes its `batch` timestamp here, the optimizer's `apply`
             the others (the first `apply` of the step's).
+        tape_all_reduce: `None` (gradients stay this replica's until `apply`
+            sums them), or `fn(gradients, variables) -> gradients`, the
+            optimizer's all-reduce (a list of gradients of `variables`, in
+            replica context; `None`s kept).
 
     Yields:
         The `step_state.ReplicaStep` registered for this replica.
@@ -66,6 +78,7 @@ def user_step(model, data, *, options, marks=None):
         global_examples=steps.sum_over_replicas(count, options)[0],
         user_step=True,
         marks=marks.recorder() if marks is not None else None,
+        tape_all_reduce=tape_all_reduce,
     )
     if step.marks is not None:
         step.marks.stamp("batch", data)
@@ -87,7 +100,51 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
     step = step_state.current()
     if step is None or not step.user_step or output_gradients is not None:
         return gradients
-    return _per_example_gradient(target, gradients, step)
+    return _global_gradient(sources, _per_example_gradient(target, gradients, step), step)
+
+
+def _global_gradient(sources, gradients, step):
+    """`gradients` of `sources`, summed over the replicas when they are the trainable variables' (else as given).
+
+    keras.io's steps use `tape.gradient` as one device's: public ones clip
+    the result by its global norm (`tf.clip_by_global_norm`), update the
+    weights with it by hand (`v.assign_sub(lr * g)`), or perturb the weights
+    along it before a second pass (SAM). On a replica it was that replica's
+    own gradient: each replica clipped its own, and the replicas' hand
+    updates differed. Weighted by the example share and summed over the
+    replicas (`step.tape_all_reduce`, the optimizer's own all-reduce), it is
+    the gradient of the global batch's loss on every replica, and the
+    optimizer's `apply` sums nothing again (`ReplicaStep.already_summed`).
+
+    Left as this replica's (summed by `apply`, as before): gradients with
+    respect to anything but replicated trainable variables (an input, as
+    WGAN-GP's gradient penalty takes), a tape asked while another tape
+    records (a gradient of a gradient: the sum would be differentiated),
+    and steps without `tape_all_reduce` (gradient accumulation sums k
+    micro-batches on each replica first).
+    """
+    if step.tape_all_reduce is None or record.could_possibly_record():
+        return gradients
+    variables = tf.nest.flatten(sources)
+    flat = tf.nest.flatten(gradients)
+    if not variables or len(flat) != len(variables) or not all(_replicated_trainable(v) for v in variables):
+        return gradients
+    if step.marks is not None:
+        step.marks.stamp("gradients", flat)
+    summed = step.tape_all_reduce([step.by_share(g) for g in flat], variables)
+    if step.marks is not None:
+        step.marks.stamp("all_reduced", summed)
+    step.global_gradient_ids.update(id(v) for v in variables)
+    return tf.nest.pack_sequence_as(gradients, summed)
+
+
+def _replicated_trainable(variable):
+    """Whether `variable` is a trainable variable with one copy per replica (a Keras or TensorFlow one)."""
+    if isinstance(variable, keras.Variable):
+        return bool(variable.trainable) and isinstance(
+            getattr(variable, "_value", None), tf.distribute.DistributedValues
+        )
+    return isinstance(variable, tf.distribute.DistributedValues) and bool(getattr(variable, "trainable", False))
 
 
 def _per_example_gradient(target, gradients, step):

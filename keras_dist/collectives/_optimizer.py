@@ -199,8 +199,15 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     marks = step.marks if step is not None else None  # The timeline's timestamps (None: it is off).
     if marks is not None:
         marks.stamp("gradients", grads)  # Taken by keras-dist's own step already; a step of the user's: here.
+    if step is not None and step.already_summed(variables) and not accumulating:
+        # A step of the user's whose `tape.gradient` returned the global batch's gradients (`user_steps`).
+        with ki.gradients_already_reduced(optimizer):
+            _keras_apply(optimizer, keras_apply, grads, variables, accumulating=False)
+        if marks is not None:
+            marks.stamp("applied", variables)
+        return
     if step is not None and step.weighting == step_state.EXAMPLES:  # A user's step: its replica's mean loss.
-        grads = [_by_share(g, step) for g in grads]
+        grads = [step.by_share(g) for g in grads]
     sums = optimizer_patches.state(optimizer).sums
     names = (
         [getattr(v, "path", None) or v.name for v in variables]
@@ -240,18 +247,23 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
             request.extras_sums = extras_sums
         if marks is not None:
             marks.stamp("all_reduced", grads)
-        # Keras' apply reaches merge_call inside ops.cond when it accumulates or overwrites the weights
-        # with their moving averages; TensorFlow refuses that in replica context.
-        conditional_merge_call = accumulating or (
-            ki.overwrites_with_moving_average(optimizer) and _compat.is_active("ema_overwrite_under_strategy")
-        )
-        with rows.rows_kept_through_clipping(ki.optimizers_within(optimizer)):
-            if conditional_merge_call:
-                ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
-            else:
-                keras_apply(optimizer, grads, variables)
+        _keras_apply(optimizer, keras_apply, grads, variables, accumulating=accumulating)
         if marks is not None:
             marks.stamp("applied", variables)
+
+
+def _keras_apply(optimizer, keras_apply, grads, variables, *, accumulating):
+    """Keras' `apply` on gradients summed over the replicas, in replica context; rows stay rows through clipping."""
+    # Keras' apply reaches merge_call inside ops.cond when it accumulates or overwrites the weights
+    # with their moving averages; TensorFlow refuses that in replica context.
+    conditional_merge_call = accumulating or (
+        ki.overwrites_with_moving_average(optimizer) and _compat.is_active("ema_overwrite_under_strategy")
+    )
+    with rows.rows_kept_through_clipping(ki.optimizers_within(optimizer)):
+        if conditional_merge_call:
+            ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
+        else:
+            keras_apply(optimizer, grads, variables)
 
 
 def _with_variable_shape(gradient, variable):
@@ -277,18 +289,6 @@ def _apply_keeping_rows(optimizer, keras_apply, summed, variables):
         rows.rows_kept_through_clipping([optimizer]),
     ):
         ki.apply_without_merge_call(optimizer, keras_apply, summed, variables)
-
-
-def _by_share(gradient, step):
-    """`gradient` times this replica's example share (0 on a replica without examples, whatever the gradient)."""
-    if gradient is None:
-        return None
-    share = step.example_share()
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            gradient.values * tf.cast(share, gradient.values.dtype), gradient.indices, gradient.dense_shape
-        )
-    return tf.where(step.num_examples > 0, gradient * tf.cast(share, gradient.dtype), tf.zeros_like(gradient))
 
 
 def _check_in_cross_replica_context(strategy, kinds, options, names):

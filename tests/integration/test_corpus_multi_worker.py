@@ -40,6 +40,8 @@ PROGRAMS = [
     "c27_segmentation_mean_iou",
     "c28_ocr_ctc_add_loss",
     "c29_tf_keras_guide_vector_loss",
+    "c30_sam_sharpness_aware",
+    "c31_clip_by_global_norm_masked",
 ]
 KNOWN_FAILURES = {}
 

@@ -400,8 +400,8 @@ class _HandClippedStep:
         return {"loss": loss}
 
 
-@pytest.mark.xfail(strict=True, reason="tape.gradient in a step you write is the replica's own gradient, clipped alone")
 def test_user_step_clipping_its_gradients_by_hand(mirrored_1x2_cpu):
+    """Found by a new-user probe (F6): each replica clipped its own gradient; `tape.gradient` now returns the global one."""
     x, y = _regression(16, seed=9)
     y = y * 10.0  # Large errors: the clip binds.
     _train_both(mirrored_1x2_cpu, _dense_with_step(_HandClippedStep), x, y, batch_size=8, evaluate=False, logs=False)
@@ -419,8 +419,8 @@ class _HandUpdateStep:
         return {"loss": loss}
 
 
-@pytest.mark.xfail(strict=True, reason="an assignment in the replica's step updates its own copy: no sum over replicas")
 def test_user_step_updating_weights_by_hand(mirrored_1x2_cpu):
+    """Found by a new-user probe (F3): each replica assigned its own gradient's update; now the global gradient's."""
     x, y = _regression(16, seed=10)
     _train_both(mirrored_1x2_cpu, _dense_with_step(_HandUpdateStep), x, y, batch_size=8, evaluate=False, logs=False)
 

@@ -217,3 +217,35 @@ def test_a_step_and_optimizer_that_disagree_raise_instead_of_summing_unweighted(
     model.compile(optimizer=keras.optimizers.SGD(0.2, gradient_accumulation_steps=2), loss="binary_crossentropy")
     with pytest.raises(RuntimeError, match="internal error.*did not carry the step's request"):
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+
+class _ClippingStep:
+    """A step of the user's that clips by the global norm between `tape.gradient` and `apply`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        gradients, _ = tf.clip_by_global_norm(tape.gradient(loss, self.trainable_variables), 0.05)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_a_step_of_ones_own_sums_its_gradients_once(mirrored_1x2_cpu):
+    """`tape.gradient` returns the global gradient and `apply` sums nothing again: one all-reduce in the step, not 2.
+
+    Summed again in
+    `apply`, the weights would still match one device's (equal values weighted by shares that add
+    up to one), so the count is what this tests.
+    """
+    x, y = _data()
+    reference = _build(type("Plain", (_ClippingStep, keras.Model), {}))
+    with mirrored_1x2_cpu.scope():
+        model = _build(type("Distributed", (_ClippingStep, keras_dist.DistributedModel), {}), strategy=mirrored_1x2_cpu)
+    model.set_weights(reference.get_weights())
+    _fit(reference, x, y)
+    with _counting_reductions(model) as counts:
+        _fit(model, x, y)
+    np.testing.assert_allclose(model.get_weights()[0], reference.get_weights()[0], atol=TOL)
+    # One trace; the example counts are summed before `train_step` is entered, so not counted here.
+    assert counts["all_reduce"] == mirrored_1x2_cpu.num_replicas_in_sync, counts
