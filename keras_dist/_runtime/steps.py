@@ -373,5 +373,7 @@ def compiled_forward_backward(model):
 
 
 def batch_size_of(x):
-    """Returns the leading dimension of the first non-`None` leaf of `x` (int32 scalar)."""
-    return tf.shape(next(leaf for leaf in tree.flatten(x) if leaf is not None))[0]
+    """Returns the leading dimension of the first non-`None` leaf of `x` (int32 scalar; a constant where it is static)."""
+    leaf = next(leaf for leaf in tree.flatten(x) if leaf is not None)
+    static = leaf.shape[0] if leaf.shape.rank else None
+    return tf.constant(static, tf.int32) if static is not None else tf.shape(leaf)[0]

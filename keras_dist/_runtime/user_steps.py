@@ -100,11 +100,17 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
     step = step_state.current()
     if step is None or not step.user_step or output_gradients is not None:
         return gradients
-    return _global_gradient(sources, _per_example_gradient(target, gradients, step), step)
+    variables = tf.nest.flatten(sources)
+    if not variables or not all(_replicated_trainable(v) for v in variables):
+        return gradients  # With respect to an input (WGAN-GP's penalty): the replica's own, as on one device.
+    gradients = _per_example_gradient(target, gradients, step)
+    # The user's own persistent tape, asked inside its `with` block, records still: not another tape.
+    with self.stop_recording() if self._recording else contextlib.nullcontext():
+        return _global_gradient(variables, gradients, step)
 
 
-def _global_gradient(sources, gradients, step):
-    """`gradients` of `sources`, summed over the replicas when they are the trainable variables' (else as given).
+def _global_gradient(variables, gradients, step):
+    """`gradients` of `variables` (replicated trainable variables) summed over the replicas, where that is one device's.
 
     keras.io's steps use `tape.gradient` as one device's: public ones clip
     the result by its global norm (`tf.clip_by_global_norm`), update the
@@ -116,18 +122,16 @@ def _global_gradient(sources, gradients, step):
     the gradient of the global batch's loss on every replica, and the
     optimizer's `apply` sums nothing again (`ReplicaStep.already_summed`).
 
-    Left as this replica's (summed by `apply`, as before): gradients with
-    respect to anything but replicated trainable variables (an input, as
-    WGAN-GP's gradient penalty takes), a tape asked while another tape
-    records (a gradient of a gradient: the sum would be differentiated),
-    and steps without `tape_all_reduce` (gradient accumulation sums k
-    micro-batches on each replica first).
+    Left as this replica's (weighted and summed by `apply`): a gradient asked
+    while another tape records (a gradient of a gradient: the sum would be
+    differentiated), and every gradient of a step without `tape_all_reduce`
+    (gradient accumulation sums k micro-batches on each replica first). Such
+    a gradient takes its variables out of `global_gradient_ids`, so that
+    `apply` sums whatever it is given for them.
     """
-    if step.tape_all_reduce is None or record.could_possibly_record():
-        return gradients
-    variables = tf.nest.flatten(sources)
     flat = tf.nest.flatten(gradients)
-    if not variables or len(flat) != len(variables) or not all(_replicated_trainable(v) for v in variables):
+    if step.tape_all_reduce is None or record.could_possibly_record() or len(flat) != len(variables):
+        step.global_gradient_ids.difference_update(id(v) for v in variables)
         return gradients
     if step.marks is not None:
         step.marks.stamp("gradients", flat)

@@ -425,6 +425,134 @@ def test_user_step_updating_weights_by_hand(mirrored_1x2_cpu):
     _train_both(mirrored_1x2_cpu, _dense_with_step(_HandUpdateStep), x, y, batch_size=8, evaluate=False, logs=False)
 
 
+class _InputPenaltyStep:
+    """WGAN-GP's gradient penalty (keras.io): an inner tape's gradient with respect to the inputs, inside the outer tape."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            with tf.GradientTape() as gp_tape:
+                gp_tape.watch(x)
+                pred = self(x, training=True)
+            grads = gp_tape.gradient(pred, [x])[0]  # One value per example: its gradient is the example's own.
+            penalty = ops.mean(ops.square(ops.sqrt(ops.sum(ops.square(grads), axis=1)) - 1.0))
+            loss = ops.mean(ops.square(y - pred)) + 10.0 * penalty
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_gradient_penalty_with_respect_to_the_inputs(mirrored_1x2_cpu):
+    """Found by a new-user probe: on an uneven split the input gradient came back times the replicas (x2 on 2).
+
+    A target with one value per example was divided by the example share whatever the
+    gradient was taken with respect to; an input's gradient is the replica's own, as on one device.
+    25 examples at batch 10: the last batch splits 3/2.
+    """
+    x, y = _regression(25, seed=12)
+    _train_both(mirrored_1x2_cpu, _dense_with_step(_InputPenaltyStep), x, y, batch_size=10, evaluate=False, logs=False)
+
+
+class _VectorLossStep:
+    """The tf.keras guide's loss: `keras.losses.mean_squared_error(y, y_pred)`, one value per example."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y, self(x, training=True))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        return {"loss": ops.mean(loss)}
+
+
+def test_vector_loss_on_batches_of_a_static_size(mirrored_1x2_cpu):
+    """Found by a new-user probe: with every batch full (20 examples at batch 10) the per-replica batch is static,
+    and the vector loss was not recognised as one value per example (half of one device's gradient on 2)."""
+    x, y = _regression(20, seed=13)
+    _train_both(mirrored_1x2_cpu, _dense_with_step(_VectorLossStep), x, y, batch_size=10, evaluate=False, logs=False)
+
+
+class _PersistentTapeStep:
+    """A persistent tape asked inside its `with` block, then clipped by hand."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            pred = self(x, training=True)
+            loss = ops.mean(ops.square(y - pred))
+            gradients = tape.gradient(loss, self.trainable_variables)
+        gradients, _ = tf.clip_by_global_norm(gradients, 0.5)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_persistent_tape_asked_inside_its_block(mirrored_1x2_cpu):
+    """Found by a new-user probe: the user's own recording tape counted as another tape, and each replica clipped its own."""
+    x, y = _regression(16, seed=14)
+    y = y * 10.0  # The clip binds.
+    _train_both(mirrored_1x2_cpu, _dense_with_step(_PersistentTapeStep), x, y, batch_size=8, evaluate=False, logs=False)
+
+
+class _GlobalThenLocalStep:
+    """Applies a global gradient, then one asked while another tape records (the replica's own) for the same weights."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(y - self(x, training=True)))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        with tf.GradientTape() as outer:  # Records while the inner tape is asked: the inner gradient stays local.
+            with tf.GradientTape() as inner:
+                second = ops.mean(ops.abs(y - self(x, training=True)))
+            local = inner.gradient(second, self.trainable_variables)
+        del outer
+        self.optimizer.apply_gradients(zip(local, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_a_local_gradient_after_a_global_one_is_summed(mirrored_1x2_cpu):
+    """Found by a new-user probe: `apply` trusted the first gradient's summing for the second, and the replicas drifted."""
+    x, y = _regression(21, seed=15)
+    _train_both(
+        mirrored_1x2_cpu, _dense_with_step(_GlobalThenLocalStep), x, y, batch_size=8, evaluate=False, logs=False
+    )
+
+
+class _GradientNormPenaltyStep:
+    """Gradient-norm regularization: `loss + 0.1 * ||d loss / d w||^2` with nested tapes (a new-user probe)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = ops.mean(ops.square(y - self(x, training=True)))
+            penalty = sum(ops.sum(ops.square(g)) for g in inner.gradient(loss, self.trainable_variables))
+            total = loss + 0.1 * penalty
+        self.optimizer.apply_gradients(zip(outer.gradient(total, self.trainable_variables), self.trainable_variables))
+        return {"loss": loss}
+
+
+@pytest.mark.xfail(strict=True, reason="a gradient asked while another tape records is the replica's own")
+def test_gradient_norm_penalty_with_respect_to_the_weights(mirrored_1x2_cpu):
+    x, y = _regression(21, seed=16)
+    y = y * 5.0
+    build = _dense_with_step(_GradientNormPenaltyStep)
+    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=False, logs=False)
+
+
+@pytest.mark.xfail(strict=True, reason="with gradient_accumulation_steps, tape.gradient is the replica's own")
+def test_user_step_clipping_by_hand_with_gradient_accumulation(mirrored_1x2_cpu):
+    x, y = _regression(16, seed=9)
+    y = y * 10.0  # The clip binds.
+    plain, distributed = _classes(_HandClippedStep)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((3,))
+        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+        return model
+
+    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=4, evaluate=False, logs=False)
+
+
 class _CountingLayer(keras.layers.Layer):
     """keras.io's "making new layers" state: a non-trainable sum of what the layer saw in training (probe F4)."""
 
