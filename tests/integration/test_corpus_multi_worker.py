@@ -42,6 +42,7 @@ PROGRAMS = [
     "c29_tf_keras_guide_vector_loss",
     "c30_sam_sharpness_aware",
     "c31_clip_by_global_norm_masked",
+    "c32_wgan_gp",
 ]
 KNOWN_FAILURES = {}
 
