@@ -100,6 +100,8 @@ STACKS_SUBSET = (
     "tests/integration/test_corpus_multi_worker.py::test_program_on_two_workers_matches_one_device",
     "tests/integration/test_stall_watchdog.py::test_a_sleeping_callback_on_one_worker_fails_both_naming_it",
     "tests/integration/test_stall_watchdog.py::test_a_frozen_worker_is_named_by_the_others",
+    # Keras 3.10 keeps a metric's result as given: a variable handed out of keras-dist's summed-state scope read 0.
+    "tests/unit/test_loss_weighting.py::test_metric_with_a_running_maximum_on_the_global_batch",
     # `verify` puts a model back through Keras' private state (backing variables, trackers, global seed).
     "tests/unit/test_verify.py::test_leaves_the_model_as_it_was_and_a_later_fit_gives_the_same_numbers",
 )

@@ -55,7 +55,14 @@ def result_from_summed_state(model, strategy, keras_get_metrics_result):
         )
         state_mapping += [(v, strategy.experimental_local_results(r)[0]) for v, r in zip(summed, reduced)]
     with keras.StatelessScope(state_mapping=state_mapping):
-        return keras_get_metrics_result()
+        # Read inside the scope: a metric whose `result()` returns its variable itself (a running
+        # maximum) would otherwise hand out the variable, read later as this replica's own state.
+        return keras.tree.map_structure(_read_if_variable, keras_get_metrics_result())
+
+
+def _read_if_variable(value):
+    """`value` as a tensor where it is a `keras.Variable` (its value in the current scope), else as given."""
+    return tf.convert_to_tensor(value.value) if isinstance(value, keras.Variable) else value
 
 
 class SummedMetrics:
