@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_dist import _compat
 from keras_dist._runtime import accumulation, user_steps, variables
 from keras_dist.collectives import _all_reduce
+from keras_dist.collectives import _optimizer as collectives_optimizer
 
 CUSTOM_STEP_LOSSES = ("mean", "global")
 
@@ -59,10 +60,9 @@ def _tape_all_reduce(model):
     ):
         return None
     strategy = model._distribute_strategy
-    multi_worker = variables.is_multi_worker(strategy)
 
     def all_reduce(gradients, sources):
-        names = [getattr(v, "path", None) or v.name for v in sources] if multi_worker else None
+        names = collectives_optimizer.structure_check_names(sources, strategy)
         return _all_reduce.all_reduce_gradients(gradients, model.communication, names=names)[0]
 
     return all_reduce

@@ -209,11 +209,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     if step is not None and step.weighting == step_state.EXAMPLES:  # A user's step: its replica's mean loss.
         grads = [step.by_share(g) for g in grads]
     sums = optimizer_patches.state(optimizer).sums
-    names = (
-        [getattr(v, "path", None) or v.name for v in variables]
-        if variables_module.is_multi_worker(context.strategy)
-        else None
-    )
+    names = structure_check_names(variables, context.strategy)
     with ki.gradients_already_reduced(optimizer):
         if accumulating and sums is not None and sums.matches(variables):
             accumulation.accumulate_then_apply(
@@ -264,6 +260,17 @@ def _keras_apply(optimizer, keras_apply, grads, variables, *, accumulating):
             ki.apply_once_in_cross_replica_context(optimizer, grads, variables, keras_apply)
         else:
             keras_apply(optimizer, grads, variables)
+
+
+def structure_check_names(variables, strategy):
+    """The variables' names for the all-reduce's gradient-structure check (`all_reduce_gradients(names=...)`).
+
+    `None` on one worker, whose replicas run one trace and cannot disagree;
+    a list of strings (`path`, else `name`) under several workers.
+    """
+    if not variables_module.is_multi_worker(strategy):
+        return None
+    return [getattr(v, "path", None) or v.name for v in variables]
 
 
 def _with_variable_shape(gradient, variable):

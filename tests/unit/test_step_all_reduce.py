@@ -234,9 +234,8 @@ class _ClippingStep:
 def test_a_step_of_ones_own_sums_its_gradients_once(mirrored_1x2_cpu):
     """`tape.gradient` returns the global gradient and `apply` sums nothing again: one all-reduce in the step, not 2.
 
-    Summed again in
-    `apply`, the weights would still match one device's (equal values weighted by shares that add
-    up to one), so the count is what this tests.
+    Summed again in `apply`, the weights would still match one device's (equal values weighted by
+    shares that add up to one), so the count is what this tests.
     """
     x, y = _data()
     reference = _build(type("Plain", (_ClippingStep, keras.Model), {}))
