@@ -148,6 +148,21 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="build_for_own_step",
+            package="keras",
+            verified=">=3.10,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (_maybe_symbolic_build: only under a strategy; one device builds in the first step; no upstream report found)",
+            symptom="Under a strategy, fit builds the model by calling it on the batch's inputs, so a train_step "
+            "of one's own that makes the model's inputs itself (keras.io MixUp, a dict of features combined, "
+            "then super().train_step) fails before training: 'Missing data for input' or 'Unable to "
+            "automatically build the model' (on one device Keras builds the model in the first step).",
+            remedy="When that call fails and the model writes its own train/test/predict step, the model is built "
+            "as one device builds it: layers not built yet and the compiled loss and metrics in the first step "
+            "(layers once, outside the step function), the optimizer now when every layer is built.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1"),
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="build_without_call",
             package="keras",
             verified=">=3.10,<3.16",

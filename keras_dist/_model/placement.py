@@ -96,14 +96,28 @@ def build(model, iterator=None, data_batch=None):
     else:
         if iterator is not None:
             data_batch = ki.dataset_element_spec(iterator)
-        with _build_context(model):
-            symbolic_build.symbolic_build_from_spec(
-                model,
-                data_batch,
-                composite_inputs=_compat.is_active("ragged_symbolic_build"),
-                defer_without_targets=_compat.is_active("symbolic_build_without_targets"),
-            )
+        try:
+            with _build_context(model):
+                symbolic_build.symbolic_build_from_spec(
+                    model,
+                    data_batch,
+                    composite_inputs=_compat.is_active("ragged_symbolic_build"),
+                    defer_without_targets=_compat.is_active("symbolic_build_without_targets"),
+                )
+        except (ValueError, TypeError, RuntimeError, KeyError):
+            if not (_own_step(model) and _compat.is_active("build_for_own_step")):
+                raise
+            # The step may call the model on inputs it makes (MixUp before `super().train_step`): build as one device.
+            with model._distribute_strategy.scope(), symbolic_build.targets_deferred(model):
+                symbolic_build.build_without_call(model)
+            symbolic_build.build_compiled_in_first_step(model)
     distribute_state(model)
+
+
+def _own_step(model):
+    """Whether `model`'s class writes its own train/test/predict step (keras-dist's and Keras' are not)."""
+    overrides = getattr(model, "_overrides", None)
+    return overrides is not None and any(overrides(name) for name in ("train_step", "test_step", "predict_step"))
 
 
 def _build_context(model):

@@ -54,11 +54,30 @@ def symbolic_build_from_spec(model, element_spec, *, composite_inputs=False, def
             the batches have no targets (`targets_deferred`).
     """
     spec = tf.nest.map_structure(_one_replica_spec, element_spec, expand_composites=False)
-    deferred = targets_deferred(model) if defer_without_targets and not has_targets(spec) else contextlib.nullcontext()
-    with deferred:
+    defer = defer_without_targets and not has_targets(spec)
+    with targets_deferred(model) if defer else contextlib.nullcontext():
         if composite_inputs and build_context.has_composite_inputs(spec):
-            return build_context.build_from_composite_spec(model, spec)
-        model._symbolic_build(data_batch=spec)
+            build_context.build_from_composite_spec(model, spec)
+        else:
+            model._symbolic_build(data_batch=spec)
+    if defer:
+        build_compiled_in_first_step(model)
+
+
+def build_compiled_in_first_step(model):
+    """Makes the compiled loss and metrics build when first called, once, outside the step function.
+
+    As on one device, they build from the targets and predictions of the
+    step's first call to `compute_loss` / `compute_metrics`; the variables are
+    created once for all replicas (`variables.build_outside_step`), before any
+    replica reads them.
+    """
+    if model.distribute_strategy.num_replicas_in_sync < 2:
+        return
+    for name in ("_compile_loss", "_compile_metrics"):
+        compiled = getattr(model, name, None)
+        if compiled is not None and not compiled.built:
+            variables.build_outside_step(compiled)
 
 
 def has_targets(data_spec):

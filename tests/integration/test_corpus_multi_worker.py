@@ -43,6 +43,7 @@ PROGRAMS = [
     "c30_sam_sharpness_aware",
     "c31_clip_by_global_norm_masked",
     "c32_wgan_gp",
+    "c33_mixup_in_train_step",
 ]
 KNOWN_FAILURES = {}
 
