@@ -85,6 +85,8 @@ def _replica_context():
 
 def _gradient_weight(step):
     """float32 scalar: how this replica's gradient counts in keras-dist's sum (unnormalized), read at backward time."""
+    if step is not None and step.weighted_in_backward:  # The target carries each replica's weight itself.
+        return tf.constant(1.0)
     if step is not None and step.weighting in (step_state.EXAMPLES, step_state.EXAMPLES_IN_ALL_REDUCE):
         return tf.cast(step.num_examples, tf.float32)
     return tf.constant(1.0)

@@ -55,6 +55,10 @@ class ReplicaStep:
         global_gradient_ids: `id`s of the variables whose gradients
             `tape_all_reduce` already summed in this step: `apply` takes
             their gradients as they are.
+        weighted_in_backward: Boolean, true while `tf.GradientTape.gradient`
+            in a user's step weights the target by the example share itself
+            (`user_steps._backward_weights`): gradients that compensate
+            for weighting after the backward pass (`gather`) do not then.
     """
 
     weighting: str
@@ -66,6 +70,7 @@ class ReplicaStep:
     marks: object = None
     tape_all_reduce: object = None
     global_gradient_ids: set = dataclasses.field(default_factory=set)
+    weighted_in_backward: bool = False
 
     def example_share(self):
         """float32 scalar `num_examples / global_examples` (0 when the global batch is empty)."""
@@ -81,6 +86,12 @@ class ReplicaStep:
                 gradient.values * tf.cast(share, gradient.values.dtype), gradient.indices, gradient.dense_shape
             )
         return tf.where(self.num_examples > 0, gradient * tf.cast(share, gradient.dtype), tf.zeros_like(gradient))
+
+    def zeros_if_empty(self, gradient):
+        """`gradient` (a tensor, `tf.IndexedSlices` or `None`), zeros on a replica without examples (its loss may be NaN)."""
+        if gradient is None or isinstance(gradient, tf.IndexedSlices):
+            return gradient
+        return tf.where(self.num_examples > 0, gradient, tf.zeros_like(gradient))
 
     def already_summed(self, variables):
         """Whether the gradients of every one of `variables` were summed over the replicas by `tape_all_reduce`."""

@@ -96,20 +96,55 @@ def _install_gradient():
 
 
 def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
-    gradients = loss_terms.TAPE_GRADIENT(self, target, sources, output_gradients, *args, **kwargs)
     step = step_state.current()
     if step is None or not step.user_step or output_gradients is not None:
-        return gradients
+        return loss_terms.TAPE_GRADIENT(self, target, sources, output_gradients, *args, **kwargs)
     variables = tf.nest.flatten(sources)
     if not variables or not all(_replicated_trainable(v) for v in variables):
-        return gradients  # With respect to an input (WGAN-GP's penalty): the replica's own, as on one device.
-    gradients = _per_example_gradient(target, gradients, step)
+        # With respect to an input (WGAN-GP's penalty): the replica's own, as on one device.
+        return loss_terms.TAPE_GRADIENT(self, target, sources, None, *args, **kwargs)
     # The user's own persistent tape, asked inside its `with` block, records still: not another tape.
     with self.stop_recording() if self._recording else contextlib.nullcontext():
-        return _global_gradient(variables, gradients, step)
+        weights = _backward_weights(target, step)
+    if weights is None:
+        gradients = loss_terms.TAPE_GRADIENT(self, target, sources, None, *args, **kwargs)
+        gradients = _per_example_gradient(target, gradients, step)
+        with self.stop_recording() if self._recording else contextlib.nullcontext():
+            return _global_gradient(variables, gradients, step)
+    step.weighted_in_backward = True
+    try:
+        gradients = loss_terms.TAPE_GRADIENT(self, target, sources, weights, *args, **kwargs)
+    finally:
+        step.weighted_in_backward = False
+    with self.stop_recording() if self._recording else contextlib.nullcontext():
+        return _global_gradient(variables, gradients, step, weighted=True)
 
 
-def _global_gradient(variables, gradients, step):
+def _backward_weights(target, step):
+    """`output_gradients` that weight `target` by the example share inside the backward pass, or `None`.
+
+    The optimizer's share weighting, applied to the gradient after it is
+    computed, is one device's only when the backward pass stays on this
+    replica. A forward pass through a cross-replica collective (synchronized
+    BatchNormalization's statistics) sends every replica's loss gradient back
+    through the collective's gradient (an all-reduce): weighting the result by
+    this replica's share then weights the other replicas' parts by it too.
+    Weighting the target itself (`d(share x loss)`) weights each part by its
+    own replica's share. `None` where the step's gradients are not summed here
+    (`_global_gradient` keeps them this replica's: another tape records, or no
+    `tape_all_reduce`), or where a leaf of `target` is not a floating tensor:
+    `apply` weights those afterwards, as before.
+    """
+    if step.tape_all_reduce is None or record.could_possibly_record():
+        return None
+    leaves = tree.flatten(target)
+    if not leaves or not all(tf.is_tensor(t) and t.dtype.is_floating for t in leaves):
+        return None
+    scale = step.example_share() * _per_example_scale(leaves, step)
+    return [tf.fill(tf.shape(t), tf.cast(scale, t.dtype)) for t in leaves]
+
+
+def _global_gradient(variables, gradients, step, *, weighted=False):
     """`gradients` of `variables` (replicated trainable variables) summed over the replicas, where that is one device's.
 
     keras.io's steps use `tape.gradient` as one device's: public ones clip
@@ -135,7 +170,8 @@ def _global_gradient(variables, gradients, step):
         return gradients
     if step.marks is not None:
         step.marks.stamp("gradients", flat)
-    summed = step.tape_all_reduce([step.by_share(g) for g in flat], variables)
+    weigh = step.zeros_if_empty if weighted else step.by_share  # `weighted`: by `_backward_weights` already.
+    summed = step.tape_all_reduce([weigh(g) for g in flat], variables)
     if step.marks is not None:
         step.marks.stamp("all_reduced", summed)
     step.global_gradient_ids.update(id(v) for v in variables)
@@ -166,13 +202,9 @@ def _per_example_gradient(target, gradients, step):
     batch, and mixed structures are left as they are.
     """
     leaves = [t for t in tree.flatten(target) if tf.is_tensor(t)]
-    if not leaves or not all(t.dtype.is_floating and loss_terms.per_example(t, step) for t in leaves):
+    if not leaves:
         return gradients
-    # At run time too: a loss over the gathered global batch (keras_dist.ops.all_gather: keras.io's
-    # dual encoder) has one value per global example, the same on every replica, and counts by the share.
-    examples = tf.cast(step.num_examples, tf.int32)
-    mine = tf.reduce_all([tf.equal(tf.shape(t, out_type=tf.int32)[0], examples) for t in leaves])
-    scale = tf.where(mine, tf.math.divide_no_nan(1.0, step.example_share()), 1.0)
+    scale = _per_example_scale(leaves, step)
 
     def scaled(gradient):
         if gradient is None:
@@ -183,6 +215,17 @@ def _per_example_gradient(target, gradients, step):
         return gradient * tf.cast(scale, gradient.dtype)
 
     return tf.nest.map_structure(scaled, gradients)
+
+
+def _per_example_scale(leaves, step):
+    """float32 scalar: `1 / example share` where every one of `leaves` (tensors) holds one value per example of this replica, else 1."""
+    if not all(t.dtype.is_floating and loss_terms.per_example(t, step) for t in leaves):
+        return tf.constant(1.0)
+    # At run time too: a loss over the gathered global batch (keras_dist.ops.all_gather: keras.io's
+    # dual encoder) has one value per global example, the same on every replica, and counts by the share.
+    examples = tf.cast(step.num_examples, tf.int32)
+    mine = tf.reduce_all([tf.equal(tf.shape(t, out_type=tf.int32)[0], examples) for t in leaves])
+    return tf.where(mine, tf.math.divide_no_nan(1.0, step.example_share()), 1.0)
 
 
 def user_step_loss(model, compute_loss, step, options):
