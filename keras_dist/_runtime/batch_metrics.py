@@ -22,12 +22,12 @@ import threading
 
 import tensorflow as tf
 from keras import tree
-from keras.src import backend
 from keras.src.losses import loss as keras_loss
 from keras.src.metrics import reduction_metrics
 
 from keras_dist._runtime import gather as gather_module
 from keras_dist._runtime import global_batch, step_state
+from keras_dist._runtime import keras_internals as ki
 
 _ORIGINAL_UPDATE_STATE = reduction_metrics.MeanMetricWrapper.update_state
 _LOCK = threading.Lock()
@@ -53,7 +53,7 @@ def _update_state(self, y_true, y_pred, sample_weight=None):
         local = self._fn(y_true, y_pred, **self._fn_kwargs)  # Only its rank is used: pruned from the graph.
     if tf.convert_to_tensor(local).shape.rank != 0:
         return _ORIGINAL_UPDATE_STATE(self, y_true, y_pred, sample_weight)
-    mask = backend.get_keras_mask(y_pred)
+    mask = ki.get_keras_mask(y_pred)
 
     def gather(value):  # keras-dist's own gather: labels straight from the iterator have no device (workers)
         return None if value is None else gather_module.all_gather_without_gradient(value)

@@ -20,9 +20,9 @@ the wrappers compute on what they are given: no second gather.
 import keras
 import tensorflow as tf
 from keras import tree
-from keras.src import backend
 
 from keras_dist._runtime import gather, loss_terms, step_state
+from keras_dist._runtime import keras_internals as ki
 
 _STATE = gather.ThreadDepth()  # Inside `on_global_batch` on this thread (one per replica under Mirrored).
 
@@ -51,7 +51,7 @@ def _gathering_context(values):
 
 def _gathered_mask(y_pred):
     """The Keras mask of `y_pred` gathered over the replicas (as bool), or `None`."""
-    mask = backend.get_keras_mask(y_pred) if tf.is_tensor(y_pred) else None
+    mask = ki.get_keras_mask(y_pred) if tf.is_tensor(y_pred) else None
     if mask is None:
         return None
     return tf.cast(gather.all_gather_without_gradient(tf.cast(mask, tf.int32)), tf.bool)
@@ -74,7 +74,7 @@ def gathered_batch(y_true, y_pred, sample_weight, *, differentiable):
     sample_weight = None if sample_weight is None else plain(tf.stop_gradient(sample_weight))
     if mask is not None:
         y_pred = tf.identity(y_pred)
-        backend.set_keras_mask(y_pred, mask)
+        ki.set_keras_mask(y_pred, mask)
     return y_true, y_pred, sample_weight
 
 

@@ -10,6 +10,10 @@ import contextlib
 
 import keras
 import tensorflow as tf
+
+# Where Keras 3.10-3.16 all keep them (keras.src.backend re-exported them until Keras 3.16).
+from keras.src.backend.common.masking import get_keras_mask as get_keras_mask  # Re-exported.
+from keras.src.backend.common.masking import set_keras_mask as set_keras_mask  # Re-exported.
 from keras.src.backend.common.stateless_scope import in_stateless_scope as in_stateless_scope  # Re-exported.
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as in_symbolic_scope  # Re-exported.
 from keras.src.losses.loss import unscale_loss_for_distribution
@@ -41,6 +45,7 @@ __all__ = [
     "dataset_element_spec",
     "functional_structure",
     "get_data_adapter",
+    "get_keras_mask",
     "get_random_seed",
     "in_stateless_scope",
     "in_symbolic_scope",
@@ -48,6 +53,7 @@ __all__ = [
     "optimizer_chain",
     "optimizer_strategy",
     "optimizers_within",
+    "set_keras_mask",
     "overwrites_with_moving_average",
     "raw_iterations",
     "uses_learning_rate_schedule",
