@@ -78,15 +78,17 @@ def combine_gathered_rows(gathered, row_counts):
     total = tf.shape(gathered.indices)[0]
     equal_lengths = tf.logical_and(tf.reduce_all(tf.equal(counts, rows)), tf.equal(total, num_replicas * rows))
 
+    # Sliced to the rows the branch reads (all of them where it runs): a static row count that
+    # `num_replicas` does not divide (TensorFlow 2.23 keeps it) must not fail the untaken branch's shape check.
     def identical_indices():
-        indices = tf.reshape(gathered.indices, [num_replicas, rows])
+        indices = tf.reshape(gathered.indices[: num_replicas * rows], [num_replicas, rows])
         return tf.reduce_all(tf.equal(indices, indices[:1]))
 
     identical = tf.cond(equal_lengths, identical_indices, lambda: tf.constant(False))
 
     def summed():
         shape = tf.concat([[num_replicas, rows], tf.shape(gathered.values)[1:]], 0)
-        values = tf.reduce_sum(tf.reshape(gathered.values, shape), axis=0)
+        values = tf.reduce_sum(tf.reshape(gathered.values[: num_replicas * rows], shape), axis=0)
         return values, gathered.indices[:rows]
 
     values, indices = tf.cond(identical, summed, lambda: (gathered.values, gathered.indices))
