@@ -39,6 +39,7 @@ import tensorflow as tf
 from keras import ops, tree
 
 from keras_dist._runtime import keras_internals as ki
+from keras_dist._runtime import loss_terms
 
 RTOL = 1e-4
 MAX_EXAMPLES = 64  # The check's forward pass sees at most this many examples (one device holds them).
@@ -209,7 +210,8 @@ def find_coupled(model, batch, num_parts):
         pair = _resolve(path, y, y_pred)
         if pair is None or getattr(type(loss), ON_GLOBAL_BATCH, False):
             continue
-        difference = _difference(lambda t, p, _loss=loss: _loss_values(_loss, t, p), *pair, sizes)
+        divisors = lambda t, p, _loss=loss: _ratio_divisor_of(_loss, t, p)  # noqa: E731
+        difference = _difference(lambda t, p, _loss=loss: _loss_values(_loss, t, p), *pair, sizes, divisors)
         if difference is not None:
             found.append(Coupled("loss", loss.name, _unwrapped(loss), difference))
     found.extend(_coupled_metrics(model, y, y_pred, sample_weight, sizes))
@@ -287,8 +289,30 @@ def _parts(value, sizes):
     return [tree.map_structure(lambda v, a=a, b=b: v[a:b], value) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def _difference(values_of, y_true, y_pred, sizes):
-    """The largest relative difference between whole-batch and per-part values, when over `RTOL`; else `None`."""
+def _ratio_divisor_of(loss, y_true, y_pred):
+    """The denominator of `loss` on a part where it returns a ratio of sums (`loss_terms.ratio_divisor`), else `None`.
+
+    Traced once per part (the ratio is read from the graph), on the host.
+    """
+
+    def traced(t, p):
+        value = _loss_values(loss, t, p)
+        divisor = loss_terms.ratio_divisor(value) if tf.is_tensor(value) and value.shape.rank == 0 else None
+        return tf.constant(-1.0) if divisor is None else divisor
+
+    try:
+        divisor = float(tf.function(traced, autograph=False)(y_true, y_pred))
+    except Exception:  # noqa: BLE001  (a loss that cannot be traced here: taken for a mean over examples)
+        return None
+    return None if divisor < 0 else divisor
+
+
+def _difference(values_of, y_true, y_pred, sizes, divisors_of=None):
+    """The largest relative difference between whole-batch and per-part values, when over `RTOL`; else `None`.
+
+    A scalar's parts combine weighted by their examples, or, where `divisors_of(y_true, y_pred)`
+    gives every part's denominator (a ratio of sums), by their denominators, as the step weights them.
+    """
     try:
         whole = np.asarray(values_of(y_true, y_pred), dtype="float64")
         parts = [
@@ -300,7 +324,12 @@ def _difference(values_of, y_true, y_pred, sizes):
     if whole.ndim == 0:
         if any(p.ndim for p in parts):
             return float("inf")
-        combined = np.dot(counts, [float(p) for p in parts]) / sum(counts)
+        weights = counts
+        if divisors_of is not None:
+            divisors = [divisors_of(t, p) for t, p in zip(_parts(y_true, sizes), _parts(y_pred, sizes))]
+            if all(d is not None for d in divisors) and sum(divisors) > 0:
+                weights = divisors
+        combined = np.dot(weights, [float(p) for p in parts]) / sum(weights)
     else:
         if any(p.ndim == 0 or p.shape[1:] != whole.shape[1:] for p in parts):
             return float("inf")

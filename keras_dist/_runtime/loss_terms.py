@@ -160,6 +160,7 @@ def _mean_update_state(self, values, sample_weight=None):
     `1 / replicas`: summed over the replicas (Keras' epoch logs) that is the
     global batch's mean of the values with a count of one, and so is the mean
     over the replicas of each replica's result (the logs a step returns).
+    A ratio of sums (`ratio_share`) counts by its share of the denominator.
     """
     original = _ORIGINAL["mean_update_state"]
     step = step_state.current()
@@ -175,7 +176,8 @@ def _mean_update_state(self, values, sample_weight=None):
     if values.shape.rank != 0 or num_replicas == 1:
         return original(self, values, sample_weight)
     value = tf.where(step.num_examples > 0, tf.cast(values, self.dtype), tf.zeros([], self.dtype))
-    share = tf.cast(step.example_share(), self.dtype)
+    ratio = ratio_share(values, step)  # `sum(loss * mask) / sum(mask)`: by its share of the denominator.
+    share = tf.cast(ratio if ratio is not None else step.example_share(), self.dtype)
     return original(self, value * share * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
 
 
@@ -274,6 +276,9 @@ def _term(result, values, sample_weight, mask, reduction, dtype):
     if reduction in (None, "none"):
         return LossTerm(result, SUM)  # Summed by whoever reduces it: its gradient is the sum's.
     if tuple(values.shape) in ((), (0,)):
+        ratio = ratio_divisor(values)
+        if ratio is not None:  # `sum(loss * mask) / sum(mask)`: counted by its own divisor, as a Keras mask.
+            return LossTerm(result, DIVISOR, ratio, proportional=False)
         return LossTerm(result, EXAMPLES)  # A loss function that reduced its own values (keras.io: ops.mean).
     if reduction == "sum":
         return LossTerm(result, SUM)
@@ -295,6 +300,79 @@ def _term(result, values, sample_weight, mask, reduction, dtype):
         divisor = tf.math.divide_no_nan(divisor * valid, total)
     proportional = mask is None and weighted.shape.rank is not None and weighted.shape[1:].is_fully_defined()
     return LossTerm(result, DIVISOR, divisor, proportional=proportional)
+
+
+_PASS_THROUGH = ("Identity", "Cast")
+_DIVISIONS = ("RealDiv", "Div", "DivNoNan", "TrueDiv")
+
+
+def ratio_divisor(value):
+    """The denominator of a scalar loss written as a ratio of two sums (`sum(loss * mask) / sum(mask)`), or `None`.
+
+    TensorFlow's transformer tutorial and many public scripts divide a masked
+    loss by the number of tokens they kept themselves. One device divides the
+    global batch's sum by the global batch's tokens; a replica's ratio counts
+    in that by its share of the tokens (the denominator), not of the examples.
+    Read from the graph when traced: a division (`RealDiv`, `DivNoNan`) of
+    two scalars, each a `Sum` reduction of a tensor with a batch dimension
+    (through `Cast`s and `Identity`s). Eagerly (`run_eagerly=True`) there is
+    no graph, and the value is taken for a mean over examples, as before.
+
+    Args:
+        value: A tensor, the loss value (a scalar).
+
+    Returns:
+        float32 scalar tensor (this replica's denominator), or `None`.
+    """
+    op = _through(getattr(value, "op", None))
+    if op is None or op.type not in _DIVISIONS or len(op.inputs) != 2:
+        return None
+    numerator, denominator = op.inputs
+    if numerator.shape.rank != 0 or denominator.shape.rank != 0:
+        return None
+    if not (_is_batch_sum(numerator) and _is_batch_sum(denominator)):
+        return None
+    return tf.cast(denominator, tf.float32)
+
+
+def ratio_share(value, step):
+    """float32 scalar: this replica's share of the global batch's denominator of `value`, a ratio of sums; or `None`.
+
+    For a loss a step you write computes as `sum(loss * mask) / sum(mask)`
+    (`ratio_divisor`): weighted by `denominator / global denominator`, the
+    replicas' ratios sum to one device's ratio on the global batch, in value
+    (a `Mean` tracker of it) and in gradient (`tape.gradient`). One small
+    all-reduce of the denominator, the first time a value is asked (every
+    replica runs the same step, so every replica asks); kept on the step.
+    `None` where `value` is not such a ratio, or outside a user's step.
+    """
+    if step.options is None or not tf.is_tensor(value):
+        return None
+    cached = step.ratio_shares.get(id(value))
+    if cached is not None and cached[0] is value:
+        return cached[1]
+    divisor = ratio_divisor(value)
+    if divisor is None:
+        return None
+    context = tf.distribute.get_replica_context()
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.reshape(divisor, [1]), options=step.options)[0]
+    share = tf.stop_gradient(tf.math.divide_no_nan(divisor, total))
+    step.ratio_shares[id(value)] = (value, share)
+    return share
+
+
+def _through(op):
+    while op is not None and op.type in _PASS_THROUGH and op.inputs:
+        op = op.inputs[0].op
+    return op
+
+
+def _is_batch_sum(tensor):
+    op = _through(tensor.op)
+    if op is None or op.type != "Sum":
+        return False
+    reduced = op.inputs[0]
+    return reduced.shape.rank is not None and reduced.shape.rank >= 1
 
 
 @contextlib.contextmanager

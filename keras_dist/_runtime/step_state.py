@@ -59,6 +59,11 @@ class ReplicaStep:
             in a user's step weights the target by the example share itself
             (`user_steps._backward_weights`): gradients that compensate
             for weighting after the backward pass (`gather`) do not then.
+        options: `tf.distribute.experimental.CommunicationOptions` of the
+            step's small all-reduces (a user's step), or `None`.
+        ratio_shares: `id` of a loss value written as a ratio of sums ->
+            `(value, share)`: this replica's share of the global batch's
+            denominator (`loss_terms.ratio_share`), computed once per value.
     """
 
     weighting: str
@@ -71,6 +76,8 @@ class ReplicaStep:
     tape_all_reduce: object = None
     global_gradient_ids: set = dataclasses.field(default_factory=set)
     weighted_in_backward: bool = False
+    options: object = None
+    ratio_shares: dict = dataclasses.field(default_factory=dict)
 
     def example_share(self):
         """float32 scalar `num_examples / global_examples` (0 when the global batch is empty)."""

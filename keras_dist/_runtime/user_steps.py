@@ -79,6 +79,7 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
         user_step=True,
         marks=marks.recorder() if marks is not None else None,
         tape_all_reduce=tape_all_reduce,
+        options=options,
     )
     if step.marks is not None:
         step.marks.stamp("batch", data)
@@ -130,7 +131,9 @@ def _backward_weights(target, step):
     through the collective's gradient (an all-reduce): weighting the result by
     this replica's share then weights the other replicas' parts by it too.
     Weighting the target itself (`d(share x loss)`) weights each part by its
-    own replica's share. `None` where the step's gradients are not summed here
+    own replica's share: of the examples, or, for a loss written as a ratio
+    of sums (`sum(loss * mask) / sum(mask)`), of the global batch's
+    denominator (`loss_terms.ratio_share`). `None` where the step's gradients are not summed here
     (`_global_gradient` keeps them this replica's: another tape records, or no
     `tape_all_reduce`), or where a leaf of `target` is not a floating tensor:
     `apply` weights those afterwards, as before.
@@ -140,7 +143,8 @@ def _backward_weights(target, step):
     leaves = tree.flatten(target)
     if not leaves or not all(tf.is_tensor(t) and t.dtype.is_floating for t in leaves):
         return None
-    scale = step.example_share() * _per_example_scale(leaves, step)
+    ratio = loss_terms.ratio_share(leaves[0], step) if len(leaves) == 1 else None
+    scale = ratio if ratio is not None else step.example_share() * _per_example_scale(leaves, step)
     return [tf.fill(tf.shape(t), tf.cast(scale, t.dtype)) for t in leaves]
 
 

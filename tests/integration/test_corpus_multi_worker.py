@@ -44,6 +44,7 @@ PROGRAMS = [
     "c31_clip_by_global_norm_masked",
     "c32_wgan_gp",
     "c33_mixup_in_train_step",
+    "c34_token_ratio_masked_loss",
 ]
 KNOWN_FAILURES = {}
 

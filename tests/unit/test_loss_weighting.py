@@ -377,6 +377,65 @@ def test_custom_step_losses_global_sums_gradients(mirrored_1x2_cpu):
     assert max_weight_difference(reference, model) < 1e-5
 
 
+def _token_ratio_loss(y_true, y_pred):
+    """TensorFlow's transformer tutorial's `masked_loss`: the kept tokens' loss sum over their count."""
+    mask = ops.cast(y_true != 0, "float32")
+    loss = keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+    return ops.sum(loss * mask) / ops.sum(mask)
+
+
+def _padded_tokens(n, seed=16):
+    rs = np.random.RandomState(seed)
+    x = rs.randn(n, 6, 3).astype("float32")
+    lengths = rs.randint(1, 7, size=n)
+    y = np.where(np.arange(6)[None] < lengths[:, None], (x.sum(-1) > 0).astype("int32") + 1, 0).astype("int32")
+    return x, y
+
+
+class _TokenRatioStep:
+    """The same loss written in a step of one's own, logged by a `Mean` tracker."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = _token_ratio_loss(y, self(x, training=True))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+@pytest.mark.parametrize("written", ["compiled", "own_step"])
+def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written):
+    """Found by a new-user probe: `sum(loss * mask) / sum(mask)` counted by examples (weights 1.1e-2 off).
+
+    Each replica keeps another number of tokens: its ratio counts by its share of the global
+    batch's tokens, compiled (its evaluate too) or in a step of one's own (its tracker too).
+    """
+    plain, distributed = _classes(_TokenRatioStep)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((6, 3))
+        outputs = keras.layers.Dense(3)(inputs)
+        if written == "compiled":
+            model = cls(inputs, outputs, **kwargs)
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_token_ratio_loss)
+        else:
+            model = (plain if cls is keras.Model else distributed)(inputs, outputs, **kwargs)
+            model.compile(optimizer=keras.optimizers.SGD(0.5))
+        return model
+
+    x, y = _padded_tokens(37)
+    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=written == "compiled")
+
+
 # ------------------------------------------------------------------ known gaps (docs/numerics.md)
 class _ScalarSumLossStep:
     def train_step(self, data):
