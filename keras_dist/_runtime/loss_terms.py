@@ -315,8 +315,10 @@ def ratio_divisor(value):
     in that by its share of the tokens (the denominator), not of the examples.
     Read from the graph when traced: a division (`RealDiv`, `DivNoNan`) of
     two scalars, each a `Sum` reduction of a tensor with a batch dimension
-    (through `Cast`s and `Identity`s). Eagerly (`run_eagerly=True`) there is
-    no graph, and the value is taken for a mean over examples, as before.
+    (through `Cast`s and `Identity`s; the two tensors' leading dimensions
+    agree, unknown when traced for batches of varying size). Eagerly
+    (`run_eagerly=True`) there is no graph, and the value is taken for a
+    mean over examples, as before.
 
     Args:
         value: A tensor, the loss value (a scalar).
@@ -330,8 +332,9 @@ def ratio_divisor(value):
     numerator, denominator = op.inputs
     if numerator.shape.rank != 0 or denominator.shape.rank != 0:
         return None
-    if not (_is_batch_sum(numerator) and _is_batch_sum(denominator)):
-        return None
+    summed = [_batch_sum_input(numerator), _batch_sum_input(denominator)]
+    if any(t is None for t in summed) or summed[0].shape[0] != summed[1].shape[0]:
+        return None  # Not both over the batch (a constant denominator, a sum over classes): left as it was.
     return tf.cast(denominator, tf.float32)
 
 
@@ -367,12 +370,13 @@ def _through(op):
     return op
 
 
-def _is_batch_sum(tensor):
+def _batch_sum_input(tensor):
+    """The tensor `tensor` is a `Sum` of (through casts), when that has a leading dimension; else `None`."""
     op = _through(tensor.op)
     if op is None or op.type != "Sum":
-        return False
+        return None
     reduced = op.inputs[0]
-    return reduced.shape.rank is not None and reduced.shape.rank >= 1
+    return reduced if reduced.shape.rank is not None and reduced.shape.rank >= 1 else None
 
 
 @contextlib.contextmanager
