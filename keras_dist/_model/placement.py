@@ -108,7 +108,7 @@ def build(model, iterator=None, data_batch=None):
             if not (_own_step(model) and _compat.is_active("build_for_own_step")):
                 raise
             # The step may call the model on inputs it makes (MixUp before `super().train_step`): build as one device.
-            with model._distribute_strategy.scope(), symbolic_build.targets_deferred(model):
+            with model._distribute_strategy.scope():
                 symbolic_build.build_without_call(model)
             symbolic_build.build_compiled_in_first_step(model)
     distribute_state(model)

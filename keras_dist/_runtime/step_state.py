@@ -92,7 +92,7 @@ class ReplicaStep:
             return tf.IndexedSlices(
                 gradient.values * tf.cast(share, gradient.values.dtype), gradient.indices, gradient.dense_shape
             )
-        return tf.where(self.num_examples > 0, gradient * tf.cast(share, gradient.dtype), tf.zeros_like(gradient))
+        return self.zeros_if_empty(gradient * tf.cast(share, gradient.dtype))
 
     def zeros_if_empty(self, gradient):
         """`gradient` (a tensor, `tf.IndexedSlices` or `None`), zeros on a replica without examples (its loss may be NaN)."""

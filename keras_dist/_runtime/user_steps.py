@@ -105,20 +105,22 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
         # With respect to an input (WGAN-GP's penalty): the replica's own, as on one device.
         return loss_terms.TAPE_GRADIENT(self, target, sources, None, *args, **kwargs)
     # The user's own persistent tape, asked inside its `with` block, records still: not another tape.
-    with self.stop_recording() if self._recording else contextlib.nullcontext():
+    with _paused(self):
         weights = _backward_weights(target, step)
-    if weights is None:
-        gradients = loss_terms.TAPE_GRADIENT(self, target, sources, None, *args, **kwargs)
-        gradients = _per_example_gradient(target, gradients, step)
-        with self.stop_recording() if self._recording else contextlib.nullcontext():
-            return _global_gradient(variables, gradients, step)
-    step.weighted_in_backward = True
+    step.weighted_in_backward = weights is not None
     try:
         gradients = loss_terms.TAPE_GRADIENT(self, target, sources, weights, *args, **kwargs)
     finally:
         step.weighted_in_backward = False
-    with self.stop_recording() if self._recording else contextlib.nullcontext():
-        return _global_gradient(variables, gradients, step, weighted=True)
+    if weights is None:  # Weighted by `apply` afterwards: a per-example target counts once.
+        gradients = _per_example_gradient(target, gradients, step)
+    with _paused(self):
+        return _global_gradient(variables, gradients, step, weighted=weights is not None)
+
+
+def _paused(tape):
+    """`tape.stop_recording()` while `tape` records (the user's own persistent tape, inside its block), else nothing."""
+    return tape.stop_recording() if tape._recording else contextlib.nullcontext()
 
 
 def _backward_weights(target, step):

@@ -190,30 +190,24 @@ def test_gathered_rows_of_a_static_count_the_replicas_do_not_divide(static):
     failed the untaken branch's reshape when the step was traced ('must be evenly divisible by 3 but is 20')."""
     from keras_dist.collectives import _all_reduce
 
+    def combine(values, indices, counts, table_rows):
+        rows = int(values.shape[0]) if static else None
+        signature = [tf.TensorSpec([rows, 2]), tf.TensorSpec([rows], tf.int64), tf.TensorSpec([3])]
+        dense_shape = tf.constant([table_rows, 2], tf.int64)
+
+        @tf.function(input_signature=signature)
+        def traced(values, indices, counts):
+            combined = _all_reduce.combine_gathered_rows(tf.IndexedSlices(values, indices, dense_shape), counts)
+            return combined.values, combined.indices
+
+        return traced(values, indices, counts)
+
     values = tf.reshape(tf.range(40, dtype=tf.float32), [20, 2])
     indices = tf.range(20, dtype=tf.int64)
-    spec = [tf.TensorSpec([20 if static else None, 2]), tf.TensorSpec([20 if static else None], tf.int64)]
-
-    @tf.function(input_signature=[*spec, tf.TensorSpec([3])])
-    def combine(values, indices, counts):
-        combined = _all_reduce.combine_gathered_rows(
-            tf.IndexedSlices(values, indices, tf.constant([20, 2], tf.int64)), counts
-        )
-        return combined.values, combined.indices
-
-    kept_values, kept_indices = combine(values, indices, tf.constant([7.0, 7.0, 6.0]))  # Uneven: kept as gathered.
+    kept_values, kept_indices = combine(values, indices, tf.constant([7.0, 7.0, 6.0]), 20)  # Uneven: kept.
     np.testing.assert_array_equal(kept_values.numpy(), values.numpy())
     np.testing.assert_array_equal(kept_indices.numpy(), indices.numpy())
-    same = tf.concat([tf.range(5, dtype=tf.int64)] * 3 + [tf.range(5, dtype=tf.int64)], 0)[:15]
-    spec_15 = [tf.TensorSpec([15 if static else None, 2]), tf.TensorSpec([15 if static else None], tf.int64)]
-
-    @tf.function(input_signature=[*spec_15, tf.TensorSpec([3])])
-    def combine_15(values, indices, counts):
-        combined = _all_reduce.combine_gathered_rows(
-            tf.IndexedSlices(values, indices, tf.constant([5, 2], tf.int64)), counts
-        )
-        return combined.values, combined.indices
-
-    summed_values, summed_indices = combine_15(values[:15], same, tf.constant([5.0, 5.0, 5.0]))  # Identical: summed.
+    same = tf.concat([tf.range(5, dtype=tf.int64)] * 3, 0)  # 3 replicas, the same 5 rows each: summed.
+    summed_values, summed_indices = combine(values[:15], same, tf.constant([5.0, 5.0, 5.0]), 5)
     np.testing.assert_array_equal(summed_indices.numpy(), np.arange(5))
     np.testing.assert_allclose(summed_values.numpy(), values.numpy()[:15].reshape(3, 5, 2).sum(axis=0))
