@@ -112,8 +112,9 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
         gradients = loss_terms.TAPE_GRADIENT(self, target, sources, weights, *args, **kwargs)
     finally:
         step.weighted_in_backward = False
-    if weights is None:  # Weighted by `apply` afterwards: a per-example target counts once.
-        gradients = _per_example_gradient(target, gradients, step)
+    if weights is None:  # Weighted by `apply` afterwards: a per-example target counts once, a ratio by its denominator.
+        with _paused(self):
+            gradients = _per_example_gradient(target, gradients, step)
     with _paused(self):
         return _global_gradient(variables, gradients, step, weighted=weights is not None)
 
@@ -205,12 +206,21 @@ def _per_example_gradient(target, gradients, step):
     traced, the replica's example count when run) gets its gradients divided
     by the share (0 on a replica without examples); scalars (means, sums: a
     scalar sum still counts by the share), values over the gathered global
-    batch, and mixed structures are left as they are.
+    batch, and mixed structures are left as they are. A ratio of sums
+    (`loss_terms.ratio_share`: `sum(loss * mask) / sum(mask)`) gets them
+    multiplied by `its denominator's share / example share`, so that `apply`
+    counts it by its denominator, as `_backward_weights` does where the step
+    sums its gradients itself (with gradient accumulation, or under another
+    tape, it does not).
     """
     leaves = [t for t in tree.flatten(target) if tf.is_tensor(t)]
     if not leaves:
         return gradients
-    scale = _per_example_scale(leaves, step)
+    ratio = loss_terms.ratio_share(leaves[0], step) if len(leaves) == 1 else None
+    if ratio is not None:  # `apply` weights by the example share: this makes it the denominator's share.
+        scale = tf.math.divide_no_nan(ratio, tf.cast(step.example_share(), ratio.dtype))
+    else:
+        scale = _per_example_scale(leaves, step)
 
     def scaled(gradient):
         if gradient is None:

@@ -412,12 +412,14 @@ class _TokenRatioStep:
         return {"loss": self.tracker.result()}
 
 
+@pytest.mark.parametrize("accumulation", [None, 2], ids=["each_step", "accumulated"])
 @pytest.mark.parametrize("written", ["compiled", "own_step"])
-def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written):
+def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written, accumulation):
     """Found by a new-user probe: `sum(loss * mask) / sum(mask)` counted by examples (weights 1.1e-2 off).
 
     Each replica keeps another number of tokens: its ratio counts by its share of the global
-    batch's tokens, compiled (its evaluate too) or in a step of one's own (its tracker too).
+    batch's tokens, compiled (its evaluate too) or in a step of one's own (its tracker too), and
+    with the optimizer's gradient accumulation (a step of one's own was 7.5e-3 off there).
     """
     plain, distributed = _classes(_TokenRatioStep)
 
@@ -426,10 +428,10 @@ def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written):
         outputs = keras.layers.Dense(3)(inputs)
         if written == "compiled":
             model = cls(inputs, outputs, **kwargs)
-            model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_token_ratio_loss)
+            model.compile(optimizer=keras.optimizers.SGD(0.5, gradient_accumulation_steps=accumulation), loss=_token_ratio_loss)
         else:
             model = (plain if cls is keras.Model else distributed)(inputs, outputs, **kwargs)
-            model.compile(optimizer=keras.optimizers.SGD(0.5))
+            model.compile(optimizer=keras.optimizers.SGD(0.5, gradient_accumulation_steps=accumulation))
         return model
 
     x, y = _padded_tokens(37)
