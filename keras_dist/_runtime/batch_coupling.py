@@ -329,7 +329,8 @@ def _difference(values_of, y_true, y_pred, sizes, divisors_of=None):
             divisors = [divisors_of(t, p) for t, p in zip(_parts(y_true, sizes), _parts(y_pred, sizes))]
             if all(d is not None for d in divisors) and sum(divisors) > 0:
                 weights = divisors
-        combined = np.dot(weights, [float(p) for p in parts]) / sum(weights)
+        # A part of weight 0 (a ratio whose part kept no tokens: 0 / 0) counts nothing, as in the step.
+        combined = sum(w * float(p) for w, p in zip(weights, parts) if w) / sum(weights)
     else:
         if any(p.ndim == 0 or p.shape[1:] != whole.shape[1:] for p in parts):
             return float("inf")

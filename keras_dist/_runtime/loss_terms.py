@@ -175,8 +175,9 @@ def _mean_update_state(self, values, sample_weight=None):
     num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
     if values.shape.rank != 0 or num_replicas == 1:
         return original(self, values, sample_weight)
-    value = tf.where(step.num_examples > 0, tf.cast(values, self.dtype), tf.zeros([], self.dtype))
     ratio = ratio_share(values, step)  # `sum(loss * mask) / sum(mask)`: by its share of the denominator.
+    counts = step.num_examples > 0 if ratio is None else tf.not_equal(ratio, 0)  # No tokens kept: 0 / 0.
+    value = tf.where(counts, tf.cast(values, self.dtype), tf.zeros([], self.dtype))
     share = tf.cast(ratio if ratio is not None else step.example_share(), self.dtype)
     return original(self, value * share * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
 
@@ -263,6 +264,11 @@ def _recording_reduce_weighted_values(
         # calls `SparseCategoricalCrossentropy(reduction="none")` in its `masked_loss`); what that
         # function returns is reduced, and recorded, by the outer loss (it was counted twice).
         return result
+    if tf.is_tensor(values) and values.shape.rank == 0:
+        safe = ratio_without_nan(values)  # A replica that kept no tokens: 0, not NaN.
+        if safe is not values:
+            values = safe
+            result = _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
     record.terms.append(_term(result, values, sample_weight, mask, reduction, dtype))
     if record.tape is not None and tf.is_tensor(result):
         record.tape.watch(result)
@@ -326,6 +332,12 @@ def ratio_divisor(value):
     Returns:
         float32 scalar tensor (this replica's denominator), or `None`.
     """
+    parts = ratio_parts(value)
+    return None if parts is None else tf.cast(parts[1], tf.float32)
+
+
+def ratio_parts(value):
+    """`(numerator, denominator)`, the two scalar sums `value` divides (`ratio_divisor`), or `None`."""
     op = _through(getattr(value, "op", None))
     if op is None or op.type not in _DIVISIONS or len(op.inputs) != 2:
         return None
@@ -335,7 +347,47 @@ def ratio_divisor(value):
     summed = [_batch_sum_input(numerator), _batch_sum_input(denominator)]
     if any(t is None for t in summed) or summed[0].shape[0] != summed[1].shape[0]:
         return None  # Not both over the batch (a constant denominator, a sum over classes): left as it was.
-    return tf.cast(denominator, tf.float32)
+    return numerator, denominator
+
+
+def ratio_without_nan(value):
+    """`value`, a ratio of sums (`ratio_parts`), recomputed as `divide_no_nan(numerator, denominator)`; else `value`.
+
+    One device divides the global batch's sum by the global batch's tokens. A
+    replica whose part kept none (a semi-supervised batch whose labelled
+    examples all went to other replicas) divides 0 by 0: NaN, which its zero
+    share does not remove (0 x NaN), in the loss and in every gradient, where
+    one device trains on. Recomputed from the same two sums, the value is
+    unchanged where the denominator is not 0 and 0 where it is, and its
+    gradient flows through both sums without a NaN (TensorFlow's `DivNoNan`
+    gradient is 0 where the denominator is 0).
+    """
+    parts = ratio_parts(value) if tf.is_tensor(value) else None
+    if parts is None:
+        return value
+    return tf.cast(tf.math.divide_no_nan(parts[0], parts[1]), value.dtype)
+
+
+def ratio_output_gradients(value, weight):
+    """`([numerator, denominator], output_gradients)` that differentiate `weight x value`, a ratio of sums, without NaN; or `None`.
+
+    `tape.gradient(value, ...)` of a ratio of sums on a replica whose
+    denominator is 0 is NaN (`ratio_without_nan`). The chain rule through the
+    division, written with `divide_no_nan`: `d(n / d) = dn / d - n dd / d^2`,
+    0 where `d` is 0.
+
+    Args:
+        value: A scalar tensor, the loss.
+        weight: A scalar tensor of `value`'s dtype, the output gradient of `value`.
+    """
+    parts = ratio_parts(value) if tf.is_tensor(value) else None
+    if parts is None:
+        return None
+    numerator, denominator = parts
+    weight = tf.cast(weight, numerator.dtype)
+    per_numerator = tf.math.divide_no_nan(weight, denominator)
+    per_denominator = -per_numerator * tf.math.divide_no_nan(numerator, denominator)
+    return [numerator, denominator], [per_numerator, per_denominator]
 
 
 def ratio_share(value, step):

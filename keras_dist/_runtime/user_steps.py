@@ -109,7 +109,7 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
         weights = _backward_weights(target, step)
     step.weighted_in_backward = weights is not None
     try:
-        gradients = loss_terms.TAPE_GRADIENT(self, target, sources, weights, *args, **kwargs)
+        gradients = _tape_gradient(self, target, sources, weights, *args, **kwargs)
     finally:
         step.weighted_in_backward = False
     if weights is None:  # Weighted by `apply` afterwards: a per-example target counts once, a ratio by its denominator.
@@ -117,6 +117,22 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
             gradients = _per_example_gradient(target, gradients, step)
     with _paused(self):
         return _global_gradient(variables, gradients, step, weighted=weights is not None)
+
+
+def _tape_gradient(tape, target, sources, weights, *args, **kwargs):
+    """TensorFlow's `tape.gradient(target, sources, weights)`; a ratio of sums through its two sums, without NaN.
+
+    A replica whose part of the batch kept no tokens divides 0 by 0
+    (`loss_terms.ratio_output_gradients`): its gradients would be NaN, where
+    one device's, over the global batch, are not.
+    """
+    if tf.is_tensor(target):
+        with _paused(tape):
+            weight = weights[0] if weights is not None else tf.ones([], target.dtype)
+            through_sums = loss_terms.ratio_output_gradients(target, weight)
+        if through_sums is not None:
+            return loss_terms.TAPE_GRADIENT(tape, through_sums[0], sources, through_sums[1], *args, **kwargs)
+    return loss_terms.TAPE_GRADIENT(tape, target, sources, weights, *args, **kwargs)
 
 
 def _paused(tape):

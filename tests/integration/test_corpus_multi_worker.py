@@ -45,6 +45,7 @@ PROGRAMS = [
     "c32_wgan_gp",
     "c33_mixup_in_train_step",
     "c34_token_ratio_masked_loss",
+    "c35_semi_supervised_ratio_loss",
 ]
 KNOWN_FAILURES = {}
 

@@ -412,14 +412,20 @@ class _TokenRatioStep:
         return {"loss": self.tracker.result()}
 
 
-@pytest.mark.parametrize("accumulation", [None, 2], ids=["each_step", "accumulated"])
+@pytest.mark.parametrize(
+    "kept, accumulation",
+    [("some", None), ("some", 2), ("none_on_a_replica", None), ("none_on_a_replica", 2)],
+    ids=["each_step", "accumulated", "none_kept_on_a_replica", "none_kept_on_a_replica_accumulated"],
+)
 @pytest.mark.parametrize("written", ["compiled", "own_step"])
-def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written, accumulation):
+def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written, kept, accumulation):
     """Found by a new-user probe: `sum(loss * mask) / sum(mask)` counted by examples (weights 1.1e-2 off).
 
     Each replica keeps another number of tokens: its ratio counts by its share of the global
     batch's tokens, compiled (its evaluate too) or in a step of one's own (its tracker too), and
-    with the optimizer's gradient accumulation (a step of one's own was 7.5e-3 off there).
+    with the optimizer's gradient accumulation (a step of one's own was 7.5e-3 off there). A
+    replica that keeps no tokens divides 0 by 0, which made the weights NaN where one device
+    trains on.
     """
     plain, distributed = _classes(_TokenRatioStep)
 
@@ -428,13 +434,17 @@ def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written, accumulati
         outputs = keras.layers.Dense(3)(inputs)
         if written == "compiled":
             model = cls(inputs, outputs, **kwargs)
-            model.compile(optimizer=keras.optimizers.SGD(0.5, gradient_accumulation_steps=accumulation), loss=_token_ratio_loss)
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.5, gradient_accumulation_steps=accumulation), loss=_token_ratio_loss
+            )
         else:
             model = (plain if cls is keras.Model else distributed)(inputs, outputs, **kwargs)
             model.compile(optimizer=keras.optimizers.SGD(0.5, gradient_accumulation_steps=accumulation))
         return model
 
     x, y = _padded_tokens(37)
+    if kept == "none_on_a_replica":
+        y[4:8] = 0  # The first batch's second half, the second replica's part: 0 / 0 there.
     _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=written == "compiled")
 
 
