@@ -18,6 +18,7 @@ from keras import ops
 
 import keras_dist
 from keras_dist import errors
+from keras_dist._compat import versions
 from keras_dist._global_batch import GlobalBatchLoss, GlobalBatchMetric
 from keras_dist.testing import assert_matches_single_device
 
@@ -138,8 +139,15 @@ def _two_outputs(cls, **kwargs):
 def test_next_to_a_per_example_loss_on_another_output_it_matches_one_device(mirrored_1x3_cpu):
     def train(model):
         x, y = [QUERIES, CANDIDATES], {"pair": UNUSED, "score": QUERIES[:, :1]}
-        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
-        return {"history": history.history, "evaluate": model.evaluate(x, y, batch_size=4, verbose=0)}
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        logs = {"history": history, "evaluate": model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)}
+        if versions.release_at_least("keras", "3.16"):
+            # Keras 3.16 (nightly) weights a per-output loss tracker by the batch size only where the
+            # traced step's batch dimension is static: on one device batches of 4, 4 and 2 count 4, 4
+            # and 1 in the first epoch (traced for 4, then retraced for any size) and 1 each after.
+            # Keras 3.10-3.15 count 1 each, as keras-dist does. The weights and `loss` still compare.
+            logs = {part: {k: v for k, v in values.items() if not k.endswith("_loss")} for part, values in logs.items()}
+        return logs
 
     assert_matches_single_device(_two_outputs, strategy=mirrored_1x3_cpu, train=train, **TOL)
 
