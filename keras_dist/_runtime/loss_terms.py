@@ -257,18 +257,15 @@ def _counting_loss_call(self, *args, **kwargs):
 def _recording_reduce_weighted_values(
     values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None
 ):
-    result = _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
     record = _RECORDS.get(step_state.replica_key()) if step_state.current() is not None else None
     if record is None or getattr(_LOSS_DEPTH, "value", 0) > 1:
         # Not a term: a `Loss` called inside another loss's function (TensorFlow's transformer tutorial
         # calls `SparseCategoricalCrossentropy(reduction="none")` in its `masked_loss`); what that
         # function returns is reduced, and recorded, by the outer loss (it was counted twice).
-        return result
+        return _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
     if tf.is_tensor(values) and values.shape.rank == 0:
-        safe = ratio_without_nan(values)  # A replica that kept no tokens: 0, not NaN.
-        if safe is not values:
-            values = safe
-            result = _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
+        values = ratio_without_nan(values)  # A replica that kept no tokens: 0, not NaN.
+    result = _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
     record.terms.append(_term(result, values, sample_weight, mask, reduction, dtype))
     if record.tape is not None and tf.is_tensor(result):
         record.tape.watch(result)

@@ -54,3 +54,36 @@ def test_ratio_divisor_is_the_denominator_of_two_batch_sums(written, expected):
 
 def test_eagerly_there_is_no_graph_to_read():
     assert loss_terms.ratio_divisor(_token_ratio(tf.ones([2, 6]), tf.ones([2, 6]))) is None
+
+
+@pytest.mark.parametrize("kept", [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]], ids=["some", "none"])
+def test_a_ratio_is_recomputed_and_differentiated_without_nan(kept):
+    """Where the denominator is 0 (a replica that kept no tokens) the value and gradients are 0, not NaN; else unchanged."""
+    weight = tf.Variable([0.5, -1.0, 2.0])
+
+    @tf.function
+    def both(mask):
+        with tf.GradientTape(persistent=True) as tape:
+            ratio = _token_ratio(tf.square(weight), mask)
+        safe = loss_terms.ratio_without_nan(ratio)
+        sums, output_gradients = loss_terms.ratio_output_gradients(ratio, tf.constant(2.0))
+        through_sums = tape.gradient(sums, weight, output_gradients=output_gradients)
+        return ratio, safe, 2.0 * tape.gradient(ratio, weight), through_sums
+
+    ratio, safe, gradient, through_sums = (t.numpy() for t in both(tf.constant(kept)))
+    if sum(kept):
+        np.testing.assert_allclose(safe, ratio, rtol=1e-7)
+        np.testing.assert_allclose(through_sums, gradient, rtol=1e-6)
+    else:
+        assert np.isnan(ratio) and np.isnan(gradient).all()  # What the replica computed before.
+        assert safe == 0.0
+        np.testing.assert_array_equal(through_sums, [0.0, 0.0, 0.0])
+
+
+def test_a_value_that_is_no_ratio_is_left_as_it_is():
+    @tf.function
+    def check(loss):
+        mean = ops.mean(loss)
+        return loss_terms.ratio_without_nan(mean) is mean and loss_terms.ratio_output_gradients(mean, 1.0) is None
+
+    assert check(tf.ones([2, 6]))
