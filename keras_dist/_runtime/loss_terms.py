@@ -263,9 +263,8 @@ def _recording_reduce_weighted_values(
         # calls `SparseCategoricalCrossentropy(reduction="none")` in its `masked_loss`); what that
         # function returns is reduced, and recorded, by the outer loss (it was counted twice).
         return _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
-    if tf.is_tensor(values) and values.shape.rank == 0:
-        values = ratio_without_nan(values)  # A replica that kept no tokens: 0, not NaN.
-    result = _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
+    safe = ratio_without_nan(values) if tf.is_tensor(values) and values.shape.rank == 0 else values
+    result = _ORIGINAL["reduce_weighted_values"](safe, sample_weight, mask, reduction, dtype)  # Kept none: 0, not NaN.
     record.terms.append(_term(result, values, sample_weight, mask, reduction, dtype))
     if record.tape is not None and tf.is_tensor(result):
         record.tape.watch(result)
@@ -319,9 +318,12 @@ def ratio_divisor(value):
     Read from the graph when traced: a division (`RealDiv`, `DivNoNan`) of
     two scalars, each a `Sum` reduction of a tensor with a batch dimension
     (through `Cast`s and `Identity`s; the two tensors' leading dimensions
-    agree, unknown when traced for batches of varying size). Eagerly
-    (`run_eagerly=True`) there is no graph, and the value is taken for a
-    mean over examples, as before.
+    agree, unknown when traced for batches of varying size); or the mean of
+    the entries a mask keeps (`tf.reduce_mean(tf.boolean_mask(loss, mask))`,
+    `tf.gather_nd(loss, tf.where(mask))`: a `Mean` of every axis of a gather
+    whose indices come from `Where`), whose denominator is their count.
+    Eagerly (`run_eagerly=True`) there is no graph, and the value is taken
+    for a mean over examples, as before.
 
     Args:
         value: A tensor, the loss value (a scalar).
@@ -329,8 +331,30 @@ def ratio_divisor(value):
     Returns:
         float32 scalar tensor (this replica's denominator), or `None`.
     """
+    kept = _mean_of_kept(value)
+    if kept is not None:
+        return tf.cast(tf.size(kept), tf.float32)
     parts = ratio_parts(value)
     return None if parts is None else tf.cast(parts[1], tf.float32)
+
+
+_GATHERS = ("GatherV2", "GatherNd", "ResourceGather")
+_INDEX_PASS_THROUGH = ("Identity", "Cast", "Squeeze", "Reshape", "StridedSlice")
+
+
+def _mean_of_kept(value):
+    """The tensor of kept entries `value` is the mean of (`tf.reduce_mean(tf.boolean_mask(loss, mask))`), or `None`."""
+    op = _through(getattr(value, "op", None))
+    if op is None or op.type != "Mean" or value.shape.rank != 0 or not op.inputs:
+        return None
+    kept = op.inputs[0]
+    gather = _through(kept.op)
+    if gather is None or gather.type not in _GATHERS or len(gather.inputs) < 2:
+        return None
+    indices = gather.inputs[1].op
+    while indices is not None and indices.type in _INDEX_PASS_THROUGH and indices.inputs:
+        indices = indices.inputs[0].op
+    return kept if indices is not None and indices.type == "Where" else None
 
 
 def ratio_parts(value):
@@ -359,7 +383,12 @@ def ratio_without_nan(value):
     gradient flows through both sums without a NaN (TensorFlow's `DivNoNan`
     gradient is 0 where the denominator is 0).
     """
-    parts = ratio_parts(value) if tf.is_tensor(value) else None
+    if not tf.is_tensor(value):
+        return value
+    kept = _mean_of_kept(value)
+    if kept is not None:  # The mean of no entries is NaN too.
+        return tf.cast(tf.math.divide_no_nan(tf.reduce_sum(kept), tf.cast(tf.size(kept), kept.dtype)), value.dtype)
+    parts = ratio_parts(value)
     if parts is None:
         return value
     return tf.cast(tf.math.divide_no_nan(parts[0], parts[1]), value.dtype)
@@ -377,7 +406,13 @@ def ratio_output_gradients(value, weight):
         value: A scalar tensor, the loss.
         weight: A scalar tensor of `value`'s dtype, the output gradient of `value`.
     """
-    parts = ratio_parts(value) if tf.is_tensor(value) else None
+    if not tf.is_tensor(value):
+        return None
+    kept = _mean_of_kept(value)
+    if kept is not None:  # d mean(kept) / d kept = 1 / its count, each.
+        count = tf.cast(tf.size(kept), kept.dtype)
+        return [kept], [tf.fill(tf.shape(kept), tf.math.divide_no_nan(tf.cast(weight, kept.dtype), count))]
+    parts = ratio_parts(value)
     if parts is None:
         return None
     numerator, denominator = parts

@@ -10,11 +10,15 @@ to them: `user_steps` (a `train_step` the user wrote), `trainer_functions`
 """
 
 import contextlib
+import functools
+import importlib.util
+import os
 import warnings
 
 import keras
 import tensorflow as tf
 from keras import tree
+from tensorflow.python.framework import ops as tf_ops
 
 from keras_dist._runtime import gather, loss_terms, step_state
 from keras_dist._runtime import keras_internals as ki
@@ -72,7 +76,7 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
     loss_terms.one_device_scaling_installed()  # Also for the XLA pass, which records no terms.
     with step_state.running(step):
         if forward_backward is not None:  # Compiled: `call` cannot hold a collective there.
-            if ride_along:
+            if ride_along and not forward_backward.custom_gradients(x, y, sample_weight):
                 share = tf.constant(1.0)
                 step.weighting = step_state.EXAMPLES_IN_ALL_REDUCE
             else:
@@ -220,6 +224,108 @@ def observing_collectives(refusal=None):
             del context.__dict__[name]
 
 
+_OWN_PACKAGES = ("tensorflow", "keras", "tf_keras", "keras_dist", "keras_hub", "keras_nlp", "keras_cv")
+
+
+@functools.cache
+def _own_package_directories():
+    """The directories `_OWN_PACKAGES` are installed in (those installed), each ending in a separator."""
+    directories = []
+    for name in _OWN_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            directories.append(os.path.join(os.path.realpath(location), ""))
+    return tuple(directories)
+
+
+@contextlib.contextmanager
+def observing_custom_gradients():
+    """Yields a list that receives, when the block ends, the custom gradients written outside TensorFlow and Keras.
+
+    A gradient function a user writes (`keras.ops.custom_gradient`,
+    `tf.custom_gradient`) may transform the upstream gradient in a way that is
+    not linear in it (clip it, normalize it, take its sign). Where each
+    replica differentiates its own mean loss and the replicas' gradients are
+    weighted after the backward pass, the upstream gradient it receives is
+    `global examples / examples` times one device's, and such a gradient
+    function changes the numbers (a new-user probe: a clip of the upstream
+    gradient, weights 0.64 relative off). Found from the ops the block adds
+    to the graph being traced: an op whose `_gradient_op_type` names a
+    registered gradient whose function, or a function it closes over, is
+    defined outside TensorFlow's and Keras' own packages (their custom
+    gradients, `swish` and `recompute_grad`, are linear in the upstream
+    gradient). Eagerly there is no graph, and nothing is found.
+    """
+    found = []
+    graph = tf.compat.v1.get_default_graph()
+    first = None if tf.executing_eagerly() else len(graph.get_operations())
+    try:
+        yield found
+    finally:
+        if first is not None:
+            found.extend(user_custom_gradients(graph.get_operations()[first:]))
+
+
+def user_custom_gradients(operations):
+    """The registered names of the custom gradients of `operations` written outside TensorFlow and Keras (a list)."""
+    names = (_gradient_op_type(op) for op in operations)
+    return [name for name in names if name is not None and _written_outside(_registered_gradient(name))]
+
+
+def _registered_gradient(name):
+    """The gradient function TensorFlow registered under `name` (`tf.RegisterGradient`), or `None`."""
+    try:
+        return tf_ops._gradient_registry.lookup(name)
+    except LookupError:
+        return None
+
+
+def _gradient_op_type(op):
+    try:
+        name = op.get_attr("_gradient_op_type")
+    except (ValueError, TypeError):
+        return None
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def _written_outside(function, depth=3):
+    """Whether the gradient function `function` (TensorFlow's wrappers unwrapped) is defined outside `_OWN_PACKAGES`.
+
+    `tf.custom_gradient` registers a wrapper of its own (`internal_grad_fn`,
+    which closes over `tape_grad_fn`, which closes over the `grad_fn` the
+    decorated function returned): the wrappers' closures are followed to the
+    gradient function, and its file decides. (A function `tf.recompute_grad`
+    recomputes is not a gradient function: its gradient function is
+    TensorFlow's.)
+    """
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False
+    if function.__name__ not in _TF_GRADIENT_WRAPPERS or not _in_own_packages(code.co_filename):
+        return not _in_own_packages(code.co_filename)
+    if depth == 0:
+        return False
+    cells = [_cell_contents(c) for c in (getattr(function, "__closure__", None) or ())]
+    return any(_written_outside(f, depth - 1) for f in cells if callable(f))
+
+
+_TF_GRADIENT_WRAPPERS = ("internal_grad_fn", "tape_grad_fn")  # tensorflow/python/ops/custom_gradient.py
+
+
+def _in_own_packages(filename):
+    return os.path.realpath(filename).startswith(_own_package_directories())
+
+
+def _cell_contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # An empty cell.
+        return None
+
+
 def _forward_backward(model, x, y, sample_weight, loss_weight, *, scope=None, collective_refusal=None):
     """Returns `(y_pred, loss, gradients)`: one replica's forward and backward pass.
 
@@ -254,13 +360,18 @@ def _exact_forward_backward(model, x, y, sample_weight, step, ride_along, option
     """
     num_examples = step.num_examples
     with tf.GradientTape() as tape:
-        with loss_terms.recording(model) as record, observing_collectives() as collectives:
+        with (
+            loss_terms.recording(model) as record,
+            observing_collectives() as collectives,
+            observing_custom_gradients() as custom_gradients,
+        ):
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
             loss = zero_when_empty(loss, num_examples)  # Inside: the record's tape sees the total.
-        if ride_along and not collectives and record.all_weighted_by_examples():
+        if ride_along and not collectives and not custom_gradients and record.all_weighted_by_examples():
             # A collective in `call` (synchronized BatchNormalization) sends the gradient of every replica's loss
-            # back through it: the losses themselves are weighted then, below.
+            # back through it, and a custom gradient of one's own may not be linear in the upstream gradient:
+            # the losses themselves are weighted then, below.
             step.weighting = step_state.EXAMPLES_IN_ALL_REDUCE
             model._loss_tracker.update_state(loss, sample_weight=num_examples)
             to_differentiate = loss
@@ -369,6 +480,13 @@ def compiled_forward_backward(model):
             variable.assign(value)
         return y_pred, loss, gradients
 
+    def custom_gradients(x, y, sample_weight):
+        """`observing_custom_gradients`' finding for the compiled pass on these inputs (traced once, kept)."""
+        return user_custom_gradients(
+            compiled.get_concrete_function(x, y, sample_weight, tf.constant(1.0)).graph.get_operations()
+        )
+
+    run.custom_gradients = custom_gradients
     return run
 
 

@@ -384,6 +384,12 @@ def _token_ratio_loss(y_true, y_pred):
     return ops.sum(loss * mask) / ops.sum(mask)
 
 
+def _kept_mean_loss(y_true, y_pred):
+    """The same mean over the kept tokens, written as the mean of what a boolean mask keeps (public MLM scripts)."""
+    loss = keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+    return tf.reduce_mean(tf.boolean_mask(loss, y_true != 0))
+
+
 def _padded_tokens(n, seed=16):
     rs = np.random.RandomState(seed)
     x = rs.randn(n, 6, 3).astype("float32")
@@ -406,7 +412,7 @@ class _TokenRatioStep:
     def train_step(self, data):
         x, y = data
         with tf.GradientTape() as tape:
-            loss = _token_ratio_loss(y, self(x, training=True))
+            loss = self.token_loss(y, self(x, training=True))
         self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
         self.tracker.update_state(loss)
         return {"loss": self.tracker.result()}
@@ -418,16 +424,18 @@ class _TokenRatioStep:
     ids=["each_step", "accumulated", "none_kept_on_a_replica", "none_kept_on_a_replica_accumulated"],
 )
 @pytest.mark.parametrize("written", ["compiled", "own_step"])
-def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written, kept, accumulation):
+@pytest.mark.parametrize("token_loss", [_token_ratio_loss, _kept_mean_loss], ids=["ratio_of_sums", "mean_of_kept"])
+def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written, kept, accumulation, token_loss):
     """Found by a new-user probe: `sum(loss * mask) / sum(mask)` counted by examples (weights 1.1e-2 off).
 
     Each replica keeps another number of tokens: its ratio counts by its share of the global
     batch's tokens, compiled (its evaluate too) or in a step of one's own (its tracker too), and
     with the optimizer's gradient accumulation (a step of one's own was 7.5e-3 off there). A
     replica that keeps no tokens divides 0 by 0, which made the weights NaN where one device
-    trains on.
+    trains on. The same for the mean of the entries a boolean mask keeps (weights 1.1e-2 off).
     """
     plain, distributed = _classes(_TokenRatioStep)
+    plain.token_loss = distributed.token_loss = staticmethod(token_loss)
 
     def build(cls, kwargs):
         inputs = keras.Input((6, 3))
@@ -435,7 +443,7 @@ def test_a_loss_divided_by_its_kept_tokens(mirrored_1x2_cpu, written, kept, accu
         if written == "compiled":
             model = cls(inputs, outputs, **kwargs)
             model.compile(
-                optimizer=keras.optimizers.SGD(0.5, gradient_accumulation_steps=accumulation), loss=_token_ratio_loss
+                optimizer=keras.optimizers.SGD(0.5, gradient_accumulation_steps=accumulation), loss=token_loss
             )
         else:
             model = (plain if cls is keras.Model else distributed)(inputs, outputs, **kwargs)

@@ -31,10 +31,20 @@ def _sum_over_the_batch_size(loss, mask):
     return ops.sum(loss) / ops.cast(ops.shape(loss)[0], "float32")
 
 
+def _mean_of_kept(loss, mask):
+    return tf.reduce_mean(tf.boolean_mask(loss, mask > 0))
+
+
+def _mean_of_gathered(loss, mask):
+    return tf.reduce_mean(tf.gather_nd(loss, tf.where(mask > 0)))
+
+
 @pytest.mark.parametrize(
     "written, expected",
     [
         (_token_ratio, True),
+        (_mean_of_kept, True),
+        (_mean_of_gathered, True),
         (_divide_no_nan, True),
         (_mean, False),
         (_sum_over_a_constant, False),
