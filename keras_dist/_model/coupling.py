@@ -63,12 +63,21 @@ def check_once(model, *, own_step):
 def message(coupled, num_replicas):
     """The warning for one `batch_coupling.Coupled`: what was seen, why it matters, the fix."""
     difference = "other shapes" if coupled.difference == float("inf") else f"{coupled.difference:.2g}"
-    seen = (
-        f"The compiled {coupled.kind} {coupled.name!r} couples the examples of a batch: on the first global batch "
-        f"its values differ from those computed on each of the {num_replicas} replicas' parts (largest relative "
-        f"difference: {difference}), so each replica computes another {coupled.kind} than one device does on the "
-        "global batch (an in-batch softmax, contrastive, triplet or batch-wide loss sees fewer examples), and "
-    )
+    if coupled.by_definition:
+        seen = (
+            f"The compiled {coupled.kind} {coupled.name!r} couples the examples of a batch: Keras computes it over "
+            "the whole batch (its `axis` takes in the batch dimension, the default) or pairs the batch's examples, "
+            f"so each of the {num_replicas} replicas computes another {coupled.kind} than one device does on the "
+            f"global batch (on the first batch the values differ by {difference} relative; the gradients more), and "
+        )
+    else:
+        seen = (
+            f"The compiled {coupled.kind} {coupled.name!r} couples the examples of a batch: on the first global "
+            f"batch its values differ from those computed on each of the {num_replicas} replicas' parts (largest "
+            f"relative difference: {difference}), so each replica computes another {coupled.kind} than one device "
+            "does on the global batch (an in-batch softmax, contrastive, triplet or batch-wide loss sees fewer "
+            "examples), and "
+        )
     return seen + (
         ("training differs from one device's. " if coupled.kind == "loss" else "the logged value differs. ")
         + f"Fix: {fix(coupled)}, which computes it on the all-gathered global batch "
