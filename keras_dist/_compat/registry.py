@@ -212,7 +212,8 @@ FIXES = {
             symptom="Non-trainable layer state (BatchNormalization moving mean/variance) is mirrored "
             "with aggregation NONE, so every replica keeps its own diverging copy.",
             remedy="Floating-point non-trainable layer weights with aggregation 'none' are "
-            "re-created with aggregation 'mean', so all copies stay identical.",
+            "re-created with aggregation 'mean', so all copies stay identical; inside a keras-dist step "
+            "each replica's assigned value counts by its examples, as one device's batch would.",
             checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),

@@ -4,10 +4,12 @@ import types
 
 import keras
 import tensorflow as tf
+from keras.src.backend.tensorflow import core as tf_core
 from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.ops import resource_variable_ops
 
 from keras_dist._runtime import keras_internals as ki
+from keras_dist._runtime import step_state
 
 _GUARDED = "_keras_dist_empty_batch_guard"
 _READS_ROWS = "_keras_dist_sparse_embedding_read"
@@ -124,3 +126,55 @@ def _rows_source(layer, inputs):
             return None
         variable = variable._get_on_device_or_primary()  # What MirroredVariable.value() reads.
     return variable if isinstance(variable, resource_variable_ops.BaseResourceVariable) else None
+
+
+_ORIGINAL_DIRECT_ASSIGN = {}
+
+
+def weighted_state_installed():
+    """Installs `_weighted_direct_assign` as Keras' TensorFlow `Variable._direct_assign` (idempotent)."""
+    if "assign" not in _ORIGINAL_DIRECT_ASSIGN:
+        _ORIGINAL_DIRECT_ASSIGN["assign"] = tf_core.Variable._direct_assign
+        tf_core.Variable._direct_assign = _weighted_direct_assign
+
+
+def _weighted_direct_assign(self, value):
+    """`variable.assign(value)`; for layer state averaged over the replicas, the average weighted by their examples.
+
+    Non-trainable float layer state (a running mean a layer updates in
+    `call`, BatchNormalization's moving statistics) is mirrored with
+    aggregation "mean" (compat fix `mirrored_layer_state`): TensorFlow's
+    assignment averages the replicas' values, each counting once. One device
+    assigns the value computed from the global batch; for an update linear in
+    a batch mean (`0.5 * state + 0.5 * ops.mean(x, 0)`) that is the replicas'
+    values weighted by their examples, which equals the plain average only
+    when every replica has as many (a new-user probe: a running mean 8.5e-2
+    off on a last batch split 3/2). Inside a keras-dist step the value is
+    weighted so: one all-reduce of `examples x value` and the examples (the
+    one TensorFlow's averaging ran), then each replica writes the result into
+    its own copy. A replica without examples counts 0 (its value may be
+    NaN); where no replica has any, the state stays.
+    """
+    step = step_state.current()
+    mirrored = getattr(self, "_value", None)
+    if (
+        step is None
+        or step.num_examples is None
+        or getattr(self, "aggregation", None) != "mean"
+        or self.trainable
+        or not isinstance(mirrored, tf_values.MirroredVariable)
+        or tf.distribute.in_cross_replica_context()
+        or not self._value.dtype.is_floating
+    ):
+        return _ORIGINAL_DIRECT_ASSIGN["assign"](self, value)
+    context = tf.distribute.get_replica_context()
+    value = tf.cast(value, mirrored.dtype)
+    examples = tf.cast(step.num_examples, mirrored.dtype)
+    weighted = tf.where(examples > 0, value * examples, tf.zeros_like(value))
+    summed = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, tf.concat([tf.reshape(weighted, [-1]), tf.reshape(examples, [1])], 0)
+    )
+    total = summed[-1]
+    average = tf.reshape(summed[:-1], tf.shape(value)) / tf.maximum(total, 1)
+    local = mirrored._get_on_device_or_primary()
+    return local.assign(tf.where(total > 0, average, local.read_value()))

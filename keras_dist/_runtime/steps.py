@@ -20,7 +20,7 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.python.framework import ops as tf_ops
 
-from keras_dist._runtime import gather, loss_terms, step_state
+from keras_dist._runtime import gather, layers, loss_terms, step_state
 from keras_dist._runtime import keras_internals as ki
 
 
@@ -74,6 +74,7 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
     if recorder is not None:
         recorder.stamp("batch", data)
     loss_terms.one_device_scaling_installed()  # Also for the XLA pass, which records no terms.
+    layers.weighted_state_installed()
     with step_state.running(step):
         if forward_backward is not None:  # Compiled: `call` cannot hold a collective there.
             if ride_along and not forward_backward.custom_gradients(x, y, sample_weight):

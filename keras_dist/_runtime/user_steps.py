@@ -15,7 +15,7 @@ from keras import tree
 from tensorflow.python.eager import record
 
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import loss_terms, step_state, steps
+from keras_dist._runtime import layers, loss_terms, step_state, steps
 
 _LOCK = threading.Lock()
 
@@ -84,6 +84,7 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
     if step.marks is not None:
         step.marks.stamp("batch", data)
     loss_terms.one_device_scaling_installed()
+    layers.weighted_state_installed()
     _install_gradient()
     with step_state.running(step):
         yield step
