@@ -255,10 +255,10 @@ def observing_custom_gradients():
     function changes the numbers (a new-user probe: a clip of the upstream
     gradient, weights 0.64 relative off). Found from the ops the block adds
     to the graph being traced: an op whose `_gradient_op_type` names a
-    registered gradient whose function, or a function it closes over, is
-    defined outside TensorFlow's and Keras' own packages (their custom
-    gradients, `swish` and `recompute_grad`, are linear in the upstream
-    gradient). Eagerly there is no graph, and nothing is found.
+    registered gradient function (`_written_outside`: TensorFlow's wrappers
+    unwrapped) defined outside TensorFlow's and Keras' own packages (their
+    custom gradients, `swish` and `recompute_grad`, are linear in the
+    upstream gradient). Eagerly there is no graph, and nothing is found.
     """
     found = []
     graph = tf.compat.v1.get_default_graph()
