@@ -27,6 +27,11 @@ gRPC collectives on loopback, one CPU replica each).
                  `ReplicaContext.all_reduce` of the same tensors; variants
                  interleaved over `--rounds` rounds, median reported.
 
+  gather         `--only gather`: one tensor of the MLP's 2.7 MB of gradients, 16 and
+                 64 MB summed by TensorFlow's all-reduce (the ring: reduce-scatter,
+                 then all-gather), by its all-gather then a local sum (one exchange of
+                 the whole tensor), and by keras-dist's gradient all-reduce; interleaved.
+
   Horovod        with `--horovod-python PATH` (the Python of a virtual environment with
                  Horovod built with TensorFlow and Gloo, `horovodrun` beside it), the
                  gradients section also runs Horovod's `allreduce` (Gloo, what
@@ -156,16 +161,50 @@ def memory(variant):
     return {"peak_rss_before_bytes": before, "peak_rss_after_bytes": after, "gradient_bytes": 256 * 2**20}
 
 
+def gather_then_sum():
+    """One float32 tensor per size summed three ways, interleaved: TensorFlow's all-reduce, its all-gather then a
+    local sum (one exchange of the whole tensor instead of the ring's reduce-scatter and all-gather), keras-dist's."""
+    from keras_dist.collectives import _all_reduce
+
+    options = keras_dist.CommunicationOptions()
+    rows = {}
+    for size in CURVE_SIZES:
+        value = tf.ones([size // 4])
+        context = tf.distribute.get_replica_context
+        steps = {
+            "all_reduce": tf.function(lambda: strategy.run(lambda: context().all_reduce("SUM", value))),
+            "all_gather_then_sum": tf.function(
+                lambda: strategy.run(lambda: tf.reduce_sum(context().all_gather(value[None], axis=0), axis=0))
+            ),
+            "keras_dist": tf.function(lambda: strategy.run(lambda: _all_reduce.all_reduce_gradients([value], options)[0])),
+        }
+        for step in steps.values():
+            step()
+        calls = max(2, min(200, int(0.3 * 300e6 / size)))
+        times = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, step in steps.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    result = step()
+                tf.nest.flatten(result)[0].numpy()
+                times[name].append((time.perf_counter() - start) / calls)
+        rows[size] = {name: {"seconds": sorted(t)[len(t) // 2], "all_rounds": t} for name, t in times.items()}
+    return rows
+
+
 if only.startswith("memory:"):
     results["memory"] = memory(only[len("memory:") :])
     if keras_dist.is_chief():
         json.dump(results, open(out, "w"))
     sys.exit(0)
 
-if only in ("gradients", "curve"):
+if only in ("gradients", "curve", "gather"):
     if only == "gradients":
         results["gradients_64MB"] = gradient_all_reduce("16x4MB")
         results["gradients_64MB_one_tensor"] = gradient_all_reduce("1x64MB")
+    elif only == "gather":
+        results["gather"] = gather_then_sum()
     else:
         results["curve"] = curve()
     if keras_dist.is_chief():
@@ -387,6 +426,8 @@ def _launch(args, only, env):
             return json.load(f)
 
 
+GATHER_SIZES = "2678824,16777216,67108864"  # The MLP's (784-512-512-10) float32 gradients; 16 and 64 MB.
+
 MEMORY_VARIANTS = ["tensorflow", "none:0", "none:auto", "none:1048576", "fp16:0", "fp16:auto"]
 
 
@@ -415,15 +456,16 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the gradient all-reduce variants")
     parser.add_argument(
         "--only",
-        choices=["all", "gradients", "curve", "memory"],
+        choices=["all", "gradients", "curve", "memory", "gather"],
         default="all",
-        help="every section; the gradient all-reduce only; the bus-bandwidth curve (1 KB to 256 MB) only; or the "
-        "peak memory of one 256 MB gradient's all-reduce only",
+        help="every section; the gradient all-reduce only; the bus-bandwidth curve (1 KB to 256 MB) only; the "
+        "peak memory of one 256 MB gradient's all-reduce only; or all-reduce against all-gather then sum "
+        "(at --sizes, default for it: the MLP's 2.7 MB of gradients, 16 and 64 MB)",
     )
     parser.add_argument(
         "--sizes",
-        default=",".join(str(4**k * 1024) for k in range(10)),
-        help="bytes of the curve's tensors, comma-separated (default 1 KB to 256 MB, x4 steps)",
+        help="bytes of the curve's tensors, comma-separated (default 1 KB to 256 MB, x4 steps; with --only gather "
+        f"{GATHER_SIZES})",
     )
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument(
@@ -434,6 +476,8 @@ def main():
         "--timeout", type=float, default=900, help="seconds before a launch (and its workers) is stopped"
     )
     args = parser.parse_args()
+    if args.sizes is None:
+        args.sizes = GATHER_SIZES if args.only == "gather" else ",".join(str(4**k * 1024) for k in range(10))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_DIST_QUIET": "1"}
     env.pop("TF_CONFIG", None)
     load_start = os.getloadavg()
@@ -447,6 +491,22 @@ def main():
     results = _interleaved_with_horovod(args, env) if args.horovod_python else _launch(args, args.only, env)
     results["loopback_tcp_MBps"] = tcp
     print(f"2 workers x 1 CPU replica on loopback; loopback TCP (1 stream): {tcp:,.0f} MB/s\n")
+    if args.only == "gather":
+        print(
+            f"{'bytes':>12}{'all-reduce ms':>15}{'all-gather + sum ms':>21}{'keras-dist ms':>15}{'gather / reduce':>17}"
+        )
+        for size in sizes:
+            row = {name: r["seconds"] * 1e3 for name, r in results["gather"][str(size)].items()}
+            print(
+                f"{size:>12,}{row['all_reduce']:>15.2f}{row['all_gather_then_sum']:>21.2f}{row['keras_dist']:>15.2f}"
+                f"{row['all_gather_then_sum'] / row['all_reduce']:>16.2f}x"
+            )
+        results["load_average_start"], results["load_average_end"] = load_start, os.getloadavg()
+        print(f"load average (1, 5, 15 min): {load_start} at the start, {results['load_average_end']} at the end")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     if args.only == "curve":
         tcp_curve = loopback_tcp_curve(sizes)
         results["loopback_tcp_curve_MBps"] = {str(k): v for k, v in tcp_curve.items()}

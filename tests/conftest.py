@@ -102,6 +102,9 @@ STACKS_SUBSET = (
     "tests/integration/test_stall_watchdog.py::test_a_frozen_worker_is_named_by_the_others",
     # Keras 3.10 keeps a metric's result as given: a variable handed out of keras-dist's summed-state scope read 0.
     "tests/unit/test_loss_weighting.py::test_metric_with_a_running_maximum_on_the_global_batch",
+    # Keras 3.16 traces each replica's step with its static batch size: a replica without examples
+    # returned its loss unreduced and took another path through the step ('Values to regroup').
+    "tests/unit/test_loss_weighting.py::test_compiled_losses_on_uneven_batches",
     # `verify` puts a model back through Keras' private state (backing variables, trackers, global seed).
     "tests/unit/test_verify.py::test_leaves_the_model_as_it_was_and_a_later_fit_gives_the_same_numbers",
 )

@@ -4,7 +4,6 @@ import types
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import core as tf_core
 from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.ops import resource_variable_ops
 
@@ -132,10 +131,15 @@ _ORIGINAL_DIRECT_ASSIGN = {}
 
 
 def weighted_state_installed():
-    """Installs `_weighted_direct_assign` as Keras' TensorFlow `Variable._direct_assign` (idempotent)."""
+    """Installs `_weighted_direct_assign` as `keras.Variable._direct_assign` (idempotent).
+
+    `keras.Variable` inherits the TensorFlow backend's `_direct_assign`, whose
+    module moved in Keras 3.16 (`backend/tensorflow/core.py` to `ops/core.py`):
+    the public class is patched, which every Keras 3 has.
+    """
     if "assign" not in _ORIGINAL_DIRECT_ASSIGN:
-        _ORIGINAL_DIRECT_ASSIGN["assign"] = tf_core.Variable._direct_assign
-        tf_core.Variable._direct_assign = _weighted_direct_assign
+        _ORIGINAL_DIRECT_ASSIGN["assign"] = keras.Variable._direct_assign
+        keras.Variable._direct_assign = _weighted_direct_assign
 
 
 def _weighted_direct_assign(self, value):

@@ -265,6 +265,15 @@ def _recording_reduce_weighted_values(
         return _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
     safe = ratio_without_nan(values) if tf.is_tensor(values) and values.shape.rank == 0 else values
     result = _ORIGINAL["reduce_weighted_values"](safe, sample_weight, mask, reduction, dtype)  # Kept none: 0, not NaN.
+    if (
+        _empty_vector(values)
+        and _empty_vector(result)
+        and keras_loss.standardize_reduction(reduction) not in (None, "none")
+    ):
+        # Keras returns values of static shape (0,) unreduced (`reduce_values`), taking them for a reduced loss.
+        # Keras 3.16 traces each replica's step with its static batch size: a replica without examples would
+        # return an empty vector where the others return a scalar, and take another path through the step.
+        result = tf.reduce_sum(result)
     record.terms.append(_term(result, values, sample_weight, mask, reduction, dtype))
     if record.tape is not None and tf.is_tensor(result):
         record.tape.watch(result)
@@ -277,7 +286,7 @@ def _term(result, values, sample_weight, mask, reduction, dtype):
     values = ops.convert_to_tensor(values, dtype=dtype)
     if reduction in (None, "none"):
         return LossTerm(result, SUM)  # Summed by whoever reduces it: its gradient is the sum's.
-    if tuple(values.shape) in ((), (0,)):
+    if values.shape.rank == 0:
         ratio = ratio_divisor(values)
         if ratio is not None:  # `sum(loss * mask) / sum(mask)`: counted by its own divisor, as a Keras mask.
             return LossTerm(result, DIVISOR, ratio, proportional=False)
@@ -302,6 +311,10 @@ def _term(result, values, sample_weight, mask, reduction, dtype):
         divisor = tf.math.divide_no_nan(divisor * valid, total)
     proportional = mask is None and weighted.shape.rank is not None and weighted.shape[1:].is_fully_defined()
     return LossTerm(result, DIVISOR, divisor, proportional=proportional)
+
+
+def _empty_vector(value):
+    return tf.is_tensor(value) and tuple(value.shape) == (0,)
 
 
 _PASS_THROUGH = ("Identity", "Cast")

@@ -1,4 +1,4 @@
-"""`benchmarks/all_reduce.py --only curve`, `collective_knobs.py` and `epoch_stall.py` work on 2 workers (issue 23 items 0, 2, 7).
+"""`benchmarks/all_reduce.py --only curve` and `--only gather`, `collective_knobs.py` and `epoch_stall.py` work on 2 workers (issue 23 items 0, 2, 7).
 
 A benchmark's check: it asserts that each benchmark runs, prints its table and writes its JSON,
 never a speed.
@@ -39,6 +39,21 @@ def test_the_bus_bandwidth_curve_measures_tensorflow_keras_dist_and_loopback_tcp
     for row in results["curve"].values():
         assert row["tensorflow"]["busbw_MBps"] > 0 and row["keras_dist"]["busbw_MBps"] > 0, row
     assert sorted(results["loopback_tcp_curve_MBps"], key=int) == ["1024", "65536"]
+
+
+@pytest.mark.timeout(300)
+def test_the_gather_benchmark_times_all_reduce_against_all_gather_then_sum(tmp_path):
+    out = tmp_path / "gather.json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "all_reduce.py"), "--only", "gather"]
+    command += ["--sizes", "1024,65536", "--rounds", "1", "--timeout", "240", "--json", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gather / reduce" in proc.stdout and "load average" in proc.stdout, proc.stdout
+    results = json.loads(out.read_text())
+    assert sorted(results["gather"], key=int) == ["1024", "65536"]
+    for row in results["gather"].values():
+        assert sorted(row) == ["all_gather_then_sum", "all_reduce", "keras_dist"], row
+        assert all(r["seconds"] > 0 for r in row.values()), row
 
 
 @pytest.mark.timeout(200)

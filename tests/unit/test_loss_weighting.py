@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras import ops
 
 import keras_dist
+from keras_dist._compat import versions
 from keras_dist.testing import assert_matches_single_device, max_weight_difference
 
 RTOL = 1e-5
@@ -30,7 +31,12 @@ def _train_both(strategy, build, x, y, *, batch_size, epochs=2, fit_kwargs=None,
     def train(m):
         history = m.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **(fit_kwargs or {}))
         evaluated = m.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True) if evaluate else {}
-        return {"history": history.history, "evaluate": evaluated} if logs else None
+        results = {"history": history.history, "evaluate": evaluated}
+        if versions.release_at_least("keras", "3.16"):
+            # Keras 3.16 (nightly) weights per-output loss logs by the traced batch size where it is static, on one
+            # device only (docs/numerics.md): the weights, `loss` and the metrics still compare.
+            results = {k: {n: v for n, v in r.items() if not n.endswith("_loss")} for k, r in results.items()}
+        return results if logs else None
 
     comparison = assert_matches_single_device(
         lambda cls, **kwargs: build(cls, kwargs),
