@@ -36,6 +36,7 @@ Keras' own, unchanged.
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import sys
 import threading
@@ -252,6 +253,56 @@ def _counting_loss_call(self, *args, **kwargs):
         return _ORIGINAL["loss_call"](self, *args, **kwargs)
     finally:
         _LOSS_DEPTH.value = depth
+
+
+def _counting_own_call(original):
+    """A `__call__` a `keras.losses.Loss` subclass writes itself, counted as `Loss.__call__` is, its result recorded.
+
+    TensorFlow's neural machine translation tutorial writes its `MaskedLoss`
+    so: a `__call__` that calls a `reduction="none"` loss and reduces the
+    values itself. Keras never reduces such a loss (its own `__call__` does
+    not run), so the inner loss's values were recorded as the only term, a
+    sum over the batch, and each replica's loss counted once: twice one
+    device's on 2 replicas (a new-user probe: weights 2.39 off). Counted, the
+    inner loss is not a term; what the override returns is, as a loss
+    function's one number is (a mean over examples, or a ratio of sums).
+    """
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        depth = getattr(_LOSS_DEPTH, "value", 0)
+        _LOSS_DEPTH.value = depth + 1
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            _LOSS_DEPTH.value = depth
+        record = _RECORDS.get(step_state.replica_key()) if step_state.current() is not None else None
+        if record is None or depth > 0 or not tf.is_tensor(result) or not result.dtype.is_floating:
+            return result
+        scalar = result.shape.rank == 0
+        safe = ratio_without_nan(result) if scalar else result
+        record.terms.append(_term(safe, result, None, None, "sum_over_batch_size" if scalar else "none", None))
+        if record.tape is not None:
+            record.tape.watch(safe)
+        return safe
+
+    call._keras_dist_counting = True
+    return call
+
+
+def count_own_loss_calls(model):
+    """Counts the `__call__` of each compiled loss whose class writes its own (`_counting_own_call`); idempotent."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    for entry in getattr(compile_loss, "_flat_losses", None) or []:
+        cls = type(entry[1])
+        own = cls.__call__
+        if cls.__module__.split(".")[0] in ("keras", "keras_dist"):
+            continue  # Keras' own, and keras-dist's `global_batch` (which records its own terms).
+        if isinstance(entry[1], keras_loss.Loss) and own is not _counting_loss_call:
+            if not getattr(own, "_keras_dist_counting", False):
+                with _INSTALL_LOCK:
+                    if not getattr(cls.__call__, "_keras_dist_counting", False):
+                        cls.__call__ = _counting_own_call(own)
 
 
 def _recording_reduce_weighted_values(
@@ -486,6 +537,7 @@ def recording(model):
         term counts in the total.
     """
     _install()
+    count_own_loss_calls(model)
     key = step_state.replica_key()
     record = LossRecord(model)
     if key is None:

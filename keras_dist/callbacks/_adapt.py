@@ -82,15 +82,20 @@ class ExactIterationCount(keras.callbacks.Callback):
     """
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._begin, self._steps = self._count(), 0
+        self._begin, self._steps, self._per_step = self._count(), 0, None
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps += 1
+        if self._per_step is None:
+            # A step may apply the optimizer more than once (keras.io's image captioning: once per caption), so
+            # the counter's increments per step are read once, after the epoch's first step (a new-user probe:
+            # a step with two `apply_gradients` ended at 14 iterations instead of 28, and Adam's steps changed).
+            self._per_step = self._count() - self._begin
 
     def on_epoch_end(self, epoch, logs=None):
-        if (getattr(self.model, "steps_per_execution", 1) or 1) != 1:
+        if (getattr(self.model, "steps_per_execution", 1) or 1) != 1 or self._per_step is None:
             return
-        expected = self._begin + self._steps
+        expected = self._begin + self._steps * self._per_step
         if self._count() > expected:
             ki.raw_iterations(self.model.optimizer).assign(expected)
 

@@ -42,3 +42,33 @@ def test_with_fix_the_count_and_weights_equal_a_known_length_run(mirrored_1x2_cp
     reference = _train(mirrored_1x2_cpu, unknown_length=False)
     assert int(np.asarray(model.optimizer.iterations)) == int(np.asarray(reference.optimizer.iterations)) == 16
     assert max_weight_difference(reference, model) < 1e-6
+
+
+class _TwoApplies:
+    """A step applying the optimizer twice per batch (keras.io's image captioning applies it once per caption)."""
+
+    def train_step(self, data):
+        x, y = data
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_weights), self.trainable_weights))
+        return {"loss": loss}
+
+
+def test_with_fix_a_step_applying_twice_keeps_every_count(mirrored_1x2_cpu):
+    """A new-user probe: the fix set the counter back to one per step (14 instead of 28), and Adam's steps changed."""
+
+    def train(cls, **kwargs):
+        inputs = keras.Input((3,))
+        model = type("M", (_TwoApplies, cls), {})(
+            inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), **kwargs
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.05))
+        model.fit(X, Y, batch_size=10, epochs=2, verbose=0, shuffle=False)
+        return model
+
+    reference, distributed = train(keras.Model), train(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
+    counts = [int(keras.ops.convert_to_numpy(m.optimizer.iterations)) for m in (reference, distributed)]
+    assert counts == [28, 28], counts
+    assert max_weight_difference(reference, distributed) < 1e-5
