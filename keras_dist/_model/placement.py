@@ -25,14 +25,14 @@ def distribute_state(model):
             runtime_layers.guard_empty_batch_moments(bn) for bn in runtime_layers.batch_normalization_layers(model)
         ]
         if any(guarded):
-            model.train_function = None
+            _reset_step_functions(model, "train_function")
     if _compat.is_active("sparse_embedding_read"):
         reading_rows = [
             runtime_layers.read_embedding_rows(layer, lambda: _compat.is_active("sparse_embedding_read"))
             for layer in runtime_layers.embedding_layers(model)
         ]
         if any(reading_rows):
-            model.train_function = model.test_function = model.predict_function = None
+            _reset_step_functions(model, "train_function", "test_function", "predict_function")
     if _compat.is_active("mirrored_layer_state") and variables.is_multi_replica(strategy):
         for v in model.weights:
             if not v.trainable and v.aggregation == "none" and "float" in v.dtype:
@@ -50,11 +50,29 @@ def distribute_state(model):
         if _compat.is_active("optimizer_strategy"):
             moved += variables.rehome_optimizer(optimizer, strategy)
         if multi_replica and _compat.is_active("optimizer_built_in_step") and variables.build_outside_step(optimizer):
-            model.train_function = None
+            _reset_step_functions(model, "train_function")
     if moved:
         for optimizer in optimizers:
             variables.reindex_optimizer(optimizer)
-        model.train_function = model.test_function = model.predict_function = None
+        _reset_step_functions(model, "train_function", "test_function", "predict_function")
+
+
+def _reset_step_functions(model, *names):
+    """Sets the named step functions to `None`, to be traced again; a train function that existed is made again now.
+
+    Keras' `fit` makes `train_function` once, before its first epoch, and calls
+    it from then on. Variables first created inside a step (the metrics of a
+    model Keras cannot build ahead, keras.io's graph attention network) are
+    re-homed at the next `distribute_state`, which `fit`'s validation runs
+    mid-`fit`: a `None` there failed the next epoch ('NoneType' object is not
+    callable; a new-user probe). Made again, it is traced with the re-homed
+    variables on its next call.
+    """
+    remake = "train_function" in names and getattr(model, "train_function", None) is not None
+    for name in names:
+        setattr(model, name, None)
+    if remake:
+        model.make_train_function()
 
 
 def _owned_optimizers(model):
