@@ -119,22 +119,27 @@ def curve():
             "tensorflow": tf.function(lambda: strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", [value]))),
             "keras_dist": tf.function(lambda: strategy.run(lambda: _all_reduce.all_reduce_gradients([value], options)[0])),
         }
-        for step in steps.values():
-            step()
-        calls = max(2, min(200, int(0.3 * 300e6 / size)))  # about 0.3 s a measurement at 300 MB/s
-        times = {name: [] for name in steps}
-        for _ in range(rounds):
-            for name, step in steps.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    out = step()
-                tf.nest.flatten(out)[0].numpy()
-                times[name].append((time.perf_counter() - start) / calls)
         rows[size] = {
-            name: {"seconds": sorted(t)[len(t) // 2], "all_rounds": t, "busbw_MBps": size * 2 * (n - 1) / n / sorted(t)[len(t) // 2] / 2**20}
-            for name, t in times.items()
+            name: {**row, "busbw_MBps": size * 2 * (n - 1) / n / row["seconds"] / 2**20}
+            for name, row in _interleaved(steps, size).items()
         }
     return rows
+
+
+def _interleaved(steps, size):
+    """Seconds per call of each of `steps` (tf.functions) on `size` bytes, over interleaved rounds: median and all rounds."""
+    for step in steps.values():
+        step()
+    calls = max(2, min(200, int(0.3 * 300e6 / size)))  # about 0.3 s a measurement at 300 MB/s
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = step()
+            tf.nest.flatten(out)[0].numpy()
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: {"seconds": sorted(t)[len(t) // 2], "all_rounds": t} for name, t in times.items()}
 
 
 def memory(variant):
@@ -178,18 +183,7 @@ def gather_then_sum():
             ),
             "keras_dist": tf.function(lambda: strategy.run(lambda: _all_reduce.all_reduce_gradients([value], options)[0])),
         }
-        for step in steps.values():
-            step()
-        calls = max(2, min(200, int(0.3 * 300e6 / size)))
-        times = {name: [] for name in steps}
-        for _ in range(rounds):
-            for name, step in steps.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    result = step()
-                tf.nest.flatten(result)[0].numpy()
-                times[name].append((time.perf_counter() - start) / calls)
-        rows[size] = {name: {"seconds": sorted(t)[len(t) // 2], "all_rounds": t} for name, t in times.items()}
+        rows[size] = _interleaved(steps, size)
     return rows
 
 

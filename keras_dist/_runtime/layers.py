@@ -168,7 +168,7 @@ def _weighted_direct_assign(self, value):
         or self.trainable
         or not isinstance(mirrored, tf_values.MirroredVariable)
         or tf.distribute.in_cross_replica_context()
-        or not self._value.dtype.is_floating
+        or not mirrored.dtype.is_floating
     ):
         return _ORIGINAL_DIRECT_ASSIGN["assign"](self, value)
     context = tf.distribute.get_replica_context()

@@ -26,15 +26,21 @@ def _benchmark(name):
         sys.path.pop(0)
 
 
-@pytest.mark.timeout(300)
-def test_the_bus_bandwidth_curve_measures_tensorflow_keras_dist_and_loopback_tcp(tmp_path):
-    out = tmp_path / "curve.json"
-    command = [sys.executable, os.path.join(ROOT, "benchmarks", "all_reduce.py"), "--only", "curve"]
+def _all_reduce_benchmark(tmp_path, only):
+    """Runs `benchmarks/all_reduce.py --only ONLY` on 1 KB and 64 KB, one round; returns (its stdout, its JSON)."""
+    out = tmp_path / f"{only}.json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "all_reduce.py"), "--only", only]
     command += ["--sizes", "1024,65536", "--rounds", "1", "--timeout", "240", "--json", str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "loopback TCP" in proc.stdout and "load average" in proc.stdout, proc.stdout
-    results = json.loads(out.read_text())
+    assert "load average" in proc.stdout, proc.stdout
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_the_bus_bandwidth_curve_measures_tensorflow_keras_dist_and_loopback_tcp(tmp_path):
+    stdout, results = _all_reduce_benchmark(tmp_path, "curve")
+    assert "loopback TCP" in stdout, stdout
     assert sorted(results["curve"], key=int) == ["1024", "65536"]
     for row in results["curve"].values():
         assert row["tensorflow"]["busbw_MBps"] > 0 and row["keras_dist"]["busbw_MBps"] > 0, row
@@ -43,13 +49,8 @@ def test_the_bus_bandwidth_curve_measures_tensorflow_keras_dist_and_loopback_tcp
 
 @pytest.mark.timeout(300)
 def test_the_gather_benchmark_times_all_reduce_against_all_gather_then_sum(tmp_path):
-    out = tmp_path / "gather.json"
-    command = [sys.executable, os.path.join(ROOT, "benchmarks", "all_reduce.py"), "--only", "gather"]
-    command += ["--sizes", "1024,65536", "--rounds", "1", "--timeout", "240", "--json", str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "gather / reduce" in proc.stdout and "load average" in proc.stdout, proc.stdout
-    results = json.loads(out.read_text())
+    stdout, results = _all_reduce_benchmark(tmp_path, "gather")
+    assert "gather / reduce" in stdout, stdout
     assert sorted(results["gather"], key=int) == ["1024", "65536"]
     for row in results["gather"].values():
         assert sorted(row) == ["all_gather_then_sum", "all_reduce", "keras_dist"], row
