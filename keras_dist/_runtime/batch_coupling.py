@@ -320,28 +320,36 @@ def _parts(value, sizes):
 
 
 def _ratio_divisor_of(loss, y_true, y_pred):
-    """The denominator of `loss` on a part where it returns a ratio of sums (`loss_terms.ratio_divisor`), else `None`.
+    """`(divisor, weight, ratio)` of `loss` on a part where it returns a ratio of sums (`loss_terms.ratio_of`), else `None`.
 
-    Traced once per part (the ratio is read from the graph), on the host.
+    `divisor` and `weight` are floats (`Ratio.divisor`, `Ratio.weight`);
+    `ratio` is the traced `Ratio`, whose `share` shifts the parts' summed
+    divisor as the step does. Traced once per part (the ratio is read from
+    the graph), on the host.
     """
+    found = []
 
     def traced(t, p):
         value = _loss_values(loss, t, p)
-        divisor = loss_terms.ratio_divisor(value) if tf.is_tensor(value) and value.shape.rank == 0 else None
-        return tf.constant(-1.0) if divisor is None else divisor
+        ratio = loss_terms.ratio_of(value)
+        if ratio is None:
+            return tf.constant([-1.0, -1.0])
+        found.append(ratio)
+        return tf.stack([ratio.divisor, ratio.weight])
 
     try:
-        divisor = float(tf.function(traced, autograph=False)(y_true, y_pred))
+        divisor, weight = (float(v) for v in tf.function(traced, autograph=False)(y_true, y_pred))
     except Exception:  # noqa: BLE001  (a loss that cannot be traced here: taken for a mean over examples)
         return None
-    return None if divisor < 0 else divisor
+    return None if divisor < 0 or not found else (divisor, weight, found[0])
 
 
 def _difference(values_of, y_true, y_pred, sizes, divisors_of=None):
     """The largest relative difference between whole-batch and per-part values, when over `RTOL`; else `None`.
 
     A scalar's parts combine weighted by their examples, or, where `divisors_of(y_true, y_pred)`
-    gives every part's denominator (a ratio of sums), by their denominators, as the step weights them.
+    gives every part's ratio (`_ratio_divisor_of`), by their shares of the global denominator, as
+    the step weights them.
     """
     try:
         whole = np.asarray(values_of(y_true, y_pred), dtype="float64")
@@ -354,13 +362,14 @@ def _difference(values_of, y_true, y_pred, sizes, divisors_of=None):
     if whole.ndim == 0:
         if any(p.ndim for p in parts):
             return float("inf")
-        weights = counts
+        shares = [c / sum(counts) for c in counts]
         if divisors_of is not None:
-            divisors = [divisors_of(t, p) for t, p in zip(_parts(y_true, sizes), _parts(y_pred, sizes))]
-            if all(d is not None for d in divisors) and sum(divisors) > 0:
-                weights = divisors
+            ratios = [divisors_of(t, p) for t, p in zip(_parts(y_true, sizes), _parts(y_pred, sizes))]
+            if all(r is not None for r in ratios) and sum(r[0] for r in ratios) > 0:
+                denominator = ratios[0][2].global_denominator(sum(r[0] for r in ratios))
+                shares = [r[1] / denominator if denominator else 0.0 for r in ratios]  # As `Ratio.share`.
         # A part of weight 0 (a ratio whose part kept no tokens: 0 / 0) counts nothing, as in the step.
-        combined = sum(w * float(p) for w, p in zip(weights, parts) if w) / sum(weights)
+        combined = sum(w * float(p) for w, p in zip(shares, parts) if w)
     else:
         if any(p.ndim == 0 or p.shape[1:] != whole.shape[1:] for p in parts):
             return float("inf")

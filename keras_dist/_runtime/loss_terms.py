@@ -85,12 +85,15 @@ class LossTerm:
         proportional: Boolean, known when traced: the divisor is the
             replica's examples times a constant (no mask, a static
             per-example shape), so `EXAMPLES` weighting is exact for it.
+        ratio: `None`, or the `Ratio` a loss function's own scalar is
+            written as (for `DIVISOR`): its share is `ratio.share`.
     """
 
     value: object
     kind: str
     divisor: object = None
     proportional: bool = False
+    ratio: object = None
 
     @property
     def weighted_by_examples(self):
@@ -161,7 +164,9 @@ def _mean_update_state(self, values, sample_weight=None):
     `1 / replicas`: summed over the replicas (Keras' epoch logs) that is the
     global batch's mean of the values with a count of one, and so is the mean
     over the replicas of each replica's result (the logs a step returns).
-    A ratio of sums (`ratio_share`) counts by its share of the denominator.
+    A ratio of sums (`ratio_share`) counts by its share of the denominator,
+    and a sum of such ratios and other terms (`linear_ratio_terms`) counts
+    each term by its own share.
     """
     original = _ORIGINAL["mean_update_state"]
     step = step_state.current()
@@ -176,11 +181,21 @@ def _mean_update_state(self, values, sample_weight=None):
     num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
     if values.shape.rank != 0 or num_replicas == 1:
         return original(self, values, sample_weight)
-    ratio = ratio_share(values, step)  # `sum(loss * mask) / sum(mask)`: by its share of the denominator.
+    value = tf.add_n([coefficient * _weighted_term(term, step, self.dtype) for coefficient, term in terms_of(values)])
+    return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
+
+
+def terms_of(value):
+    """`[(coefficient, term), ...]` summing to `value` (a scalar tensor): its ratios apart (`linear_ratio_terms`), else itself."""
+    return linear_ratio_terms(value) or [(1.0, value)]
+
+
+def _weighted_term(term, step, dtype):
+    """`term` (a scalar tensor) times this replica's share: of its denominator (`ratio_share`), else of the examples."""
+    ratio = ratio_share(term, step)  # `sum(loss * mask) / sum(mask)`: by its share of the denominator.
     counts = step.num_examples > 0 if ratio is None else tf.not_equal(ratio, 0)  # No tokens kept: 0 / 0.
-    value = tf.where(counts, tf.cast(values, self.dtype), tf.zeros([], self.dtype))
-    share = tf.cast(ratio if ratio is not None else step.example_share(), self.dtype)
-    return original(self, value * share * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
+    value = tf.where(counts, tf.cast(term, dtype), tf.zeros([], dtype))
+    return value * tf.cast(ratio if ratio is not None else step.example_share(), dtype)
 
 
 def _recording_add_loss(self, loss):
@@ -338,9 +353,9 @@ def _term(result, values, sample_weight, mask, reduction, dtype):
     if reduction in (None, "none"):
         return LossTerm(result, SUM)  # Summed by whoever reduces it: its gradient is the sum's.
     if values.shape.rank == 0:
-        ratio = ratio_divisor(values)
+        ratio = ratio_of(values)
         if ratio is not None:  # `sum(loss * mask) / sum(mask)`: counted by its own divisor, as a Keras mask.
-            return LossTerm(result, DIVISOR, ratio, proportional=False)
+            return LossTerm(result, DIVISOR, ratio.divisor, proportional=False, ratio=ratio)
         return LossTerm(result, EXAMPLES)  # A loss function that reduced its own values (keras.io: ops.mean).
     if reduction == "sum":
         return LossTerm(result, SUM)
@@ -379,27 +394,152 @@ def ratio_divisor(value):
     loss by the number of tokens they kept themselves. One device divides the
     global batch's sum by the global batch's tokens; a replica's ratio counts
     in that by its share of the tokens (the denominator), not of the examples.
-    Read from the graph when traced: a division (`RealDiv`, `DivNoNan`) of
-    two scalars, each a `Sum` reduction of a tensor with a batch dimension
-    (through `Cast`s and `Identity`s; the two tensors' leading dimensions
-    agree, unknown when traced for batches of varying size); or the mean of
-    the entries a mask keeps (`tf.reduce_mean(tf.boolean_mask(loss, mask))`,
-    `tf.gather_nd(loss, tf.where(mask))`: a `Mean` of every axis of a gather
-    whose indices come from `Where`), whose denominator is their count.
-    Eagerly (`run_eagerly=True`) there is no graph, and the value is taken
-    for a mean over examples, as before.
+    Read from the graph when traced (`ratio_of`). Eagerly
+    (`run_eagerly=True`) there is no graph, and the value is taken for a mean
+    over examples, as before.
 
     Args:
         value: A tensor, the loss value (a scalar).
 
     Returns:
-        float32 scalar tensor (this replica's denominator), or `None`.
+        float32 scalar tensor (this replica's bare sum in the denominator:
+        tokens kept, weights' sum), or `None`.
     """
+    ratio = ratio_of(value)
+    return None if ratio is None else ratio.divisor
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """A scalar loss written as a ratio of sums over the batch, as read from its graph (`ratio_of`).
+
+    Attributes:
+        numerator: Scalar tensor, what the division divides (`None` for the
+            mean of the entries a mask keeps).
+        denominator: Scalar tensor, what it divides by (`None` likewise).
+        divisor: float32 scalar tensor, this replica's bare sum in the
+            denominator (tokens, weights' sum): what the replicas sum.
+        weight: float32 scalar tensor, what this replica's value counts by
+            before the global denominator divides it: the denominator as
+            divided (`sum(m) + 1e-6`), or `divisor` for a ratio of means.
+        shifts: `((is_add, constant), ...)`, innermost first: the
+            denominator is `divisor` with each added (`sum(m) + 1e-6`) or
+            taken as a floor (`maximum(sum(m), 1)`) in turn.
+    """
+
+    numerator: object
+    denominator: object
+    divisor: object
+    weight: object
+    shifts: tuple = ()
+
+    def share(self, total):
+        """float32 scalar: this replica's weight in the global batch's ratio, given `total`, the replicas' summed `divisor`.
+
+        `weight / shifted(total)`: the replicas' values times their shares
+        sum to `global numerator / shifted(global divisor)`, one device's
+        value, also where a shift is not negligible (`+ 1`, a floor of 1).
+        0 where the global denominator is 0.
+        """
+        return tf.math.divide_no_nan(self.weight, self.global_denominator(total))
+
+    def global_denominator(self, total):
+        """The denominator one device divides by, given `total` (a float32 scalar tensor or a float), the summed `divisor`."""
+        for is_add, constant in self.shifts:
+            if is_add:
+                total = total + constant
+            else:
+                total = tf.maximum(total, constant) if tf.is_tensor(total) else max(total, constant)
+        return total
+
+
+_SHIFTS = ("AddV2", "Add", "Maximum")
+_REDUCTIONS = ("Sum", "Mean")
+
+
+def ratio_of(value):
+    """The `Ratio` a scalar loss is written as, or `None`.
+
+    Read from the graph when traced:
+    - a division (`RealDiv`, `DivNoNan`) of two scalars, each a `Sum`
+      reduction of a tensor with a batch dimension (through `Cast`s and
+      `Identity`s; the two tensors' leading dimensions agree, unknown when
+      traced for batches of varying size): `sum(loss * mask) / sum(mask)`;
+      the denominator may add a constant to the sum or floor it by one
+      (`sum(mask) + 1e-6`, `maximum(sum(mask), 1)`), in any order;
+    - the same division of two `Mean` reductions over as many entries per
+      example (`mean(loss * mask) / mean(mask)`, the sums' ratio), whose
+      divisor is `mean x entries`;
+    - the mean of the entries a mask keeps (`tf.reduce_mean(tf.boolean_mask(loss, mask))`,
+      `tf.gather_nd(loss, tf.where(mask))`: a `Mean` of every axis of a
+      gather whose indices come from `Where`), whose divisor is their count.
+
+    Args:
+        value: A tensor (a scalar), or anything else (`None` then).
+
+    Returns:
+        `Ratio`, or `None`.
+    """
+    if not tf.is_tensor(value) or value.shape.rank != 0:
+        return None
     kept = _mean_of_kept(value)
     if kept is not None:
-        return tf.cast(tf.size(kept), tf.float32)
-    parts = ratio_parts(value)
-    return None if parts is None else tf.cast(parts[1], tf.float32)
+        count = tf.cast(tf.size(kept), tf.float32)
+        return Ratio(None, None, count, count)
+    op = _through(getattr(value, "op", None))
+    if op is None or op.type not in _DIVISIONS or len(op.inputs) != 2:
+        return None
+    numerator, denominator = op.inputs
+    if numerator.shape.rank != 0 or denominator.shape.rank != 0:
+        return None
+    bare, shifts = _unshifted(denominator)
+    top, bottom = _batch_reduction(numerator), _batch_reduction(bare)
+    if top is None or bottom is None or top[0] != bottom[0] or top[1].shape[0] != bottom[1].shape[0]:
+        return None  # Not both over the batch (a constant denominator, a sum over classes): left as it was.
+    if top[0] == "Sum":
+        divisor = tf.cast(bare, tf.float32)
+        return Ratio(numerator, denominator, divisor, tf.cast(denominator, tf.float32), shifts)
+    entries = [t.shape[1:].num_elements() for t in (top[1], bottom[1])]
+    if entries[0] is None or entries[0] != entries[1]:
+        return None  # Means over different numbers of entries: not the ratio of their sums.
+    divisor = tf.cast(bare, tf.float32) * tf.cast(tf.size(bottom[1]), tf.float32)
+    return Ratio(numerator, denominator, divisor, divisor)  # A shift of a mean: counted as the bare ratio.
+
+
+def _unshifted(tensor):
+    """`(bare, shifts)`: `tensor` without the constants added to it or flooring it (`Ratio.shifts`)."""
+    shifts = []
+    op = _through(tensor.op)
+    while op is not None and op.type in _SHIFTS and len(op.inputs) == 2:
+        constants = [_scalar_constant(t) for t in op.inputs]
+        if constants[1] is not None and constants[0] is None:
+            tensor = op.inputs[0]
+        elif constants[0] is not None and constants[1] is None:
+            tensor = op.inputs[1]
+        else:
+            break
+        shifts.append((op.type != "Maximum", next(c for c in constants if c is not None)))
+        op = _through(tensor.op)
+    return tensor, tuple(reversed(shifts))
+
+
+def _scalar_constant(tensor):
+    """`tensor`'s value as a Python float when it is a constant with one element, else `None`."""
+    if tensor.shape.num_elements() != 1:
+        return None
+    value = tf.get_static_value(tensor)
+    return None if value is None else float(value.reshape(()))
+
+
+def _batch_reduction(tensor):
+    """`(reduction, input)`: the `Sum` or `Mean` `tensor` is of a tensor with a leading dimension (through casts); else `None`."""
+    op = _through(tensor.op)
+    if op is None or op.type not in _REDUCTIONS:
+        return None
+    reduced = op.inputs[0]
+    if reduced.shape.rank is None or reduced.shape.rank < 1:
+        return None
+    return op.type, reduced
 
 
 _GATHERS = ("GatherV2", "GatherNd", "ResourceGather")
@@ -422,17 +562,11 @@ def _mean_of_kept(value):
 
 
 def ratio_parts(value):
-    """`(numerator, denominator)`, the two scalar sums `value` divides (`ratio_divisor`), or `None`."""
-    op = _through(getattr(value, "op", None))
-    if op is None or op.type not in _DIVISIONS or len(op.inputs) != 2:
+    """`(numerator, denominator)`, the two scalars `value`, a ratio of sums (`ratio_of`), divides; or `None`."""
+    ratio = ratio_of(value)
+    if ratio is None or ratio.numerator is None:
         return None
-    numerator, denominator = op.inputs
-    if numerator.shape.rank != 0 or denominator.shape.rank != 0:
-        return None
-    summed = [_batch_sum_input(numerator), _batch_sum_input(denominator)]
-    if any(t is None for t in summed) or summed[0].shape[0] != summed[1].shape[0]:
-        return None  # Not both over the batch (a constant denominator, a sum over classes): left as it was.
-    return numerator, denominator
+    return ratio.numerator, ratio.denominator
 
 
 def ratio_without_nan(value):
@@ -490,41 +624,91 @@ def ratio_share(value, step):
     """float32 scalar: this replica's share of the global batch's denominator of `value`, a ratio of sums; or `None`.
 
     For a loss a step you write computes as `sum(loss * mask) / sum(mask)`
-    (`ratio_divisor`): weighted by `denominator / global denominator`, the
-    replicas' ratios sum to one device's ratio on the global batch, in value
-    (a `Mean` tracker of it) and in gradient (`tape.gradient`). One small
-    all-reduce of the denominator, the first time a value is asked (every
-    replica runs the same step, so every replica asks); kept on the step.
-    `None` where `value` is not such a ratio, or outside a user's step.
+    (`ratio_of`): weighted by `Ratio.share` (`denominator / global
+    denominator`), the replicas' ratios sum to one device's ratio on the
+    global batch, in value (a `Mean` tracker of it) and in gradient
+    (`tape.gradient`). One small all-reduce of the bare sum, the first time a
+    value is asked (every replica runs the same step, so every replica asks);
+    kept on the step. `None` where `value` is not such a ratio, or outside a
+    user's step.
     """
     if step.options is None or not tf.is_tensor(value):
         return None
     cached = step.ratio_shares.get(id(value))
     if cached is not None and cached[0] is value:
         return cached[1]
-    divisor = ratio_divisor(value)
-    if divisor is None:
+    ratio = ratio_of(value)
+    if ratio is None:
         return None
     context = tf.distribute.get_replica_context()
-    total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.reshape(divisor, [1]), options=step.options)[0]
-    share = tf.stop_gradient(tf.math.divide_no_nan(divisor, total))
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.reshape(ratio.divisor, [1]), options=step.options)[0]
+    share = tf.stop_gradient(ratio.share(total))
     step.ratio_shares[id(value)] = (value, share)
     return share
+
+
+_LINEAR_TERMS_MAX = 64
+
+
+def linear_ratio_terms(value):
+    """`[(coefficient, term), ...]` with `value = sum(coefficient x term)`, when a term is a ratio of sums; else `None`.
+
+    keras.io's image captioning adds one masked ratio per caption
+    (`batch_loss += loss`), and multi-task steps weight two
+    (`r1 + 0.5 * r2`): each ratio counts by its own denominator's share
+    (`ratio_share`), which no single share of the sum gives. Read from the
+    graph when traced, through scalar `+`, `-`, negation, `add_n` and
+    products or quotients by a constant; every other scalar is one term (a
+    constant, or a mean over examples). `None` where no term is a ratio
+    (`ratio_of`), where `value` is itself one ratio (read as it is), or
+    eagerly.
+
+    Args:
+        value: A tensor (a scalar), or anything else (`None` then).
+
+    Returns:
+        A list of `(float, scalar tensor)`, or `None`.
+    """
+    if not tf.is_tensor(value) or value.shape.rank != 0 or not hasattr(value, "op"):
+        return None
+    terms = []
+    if not _linear_terms(value, 1.0, terms) or not any(ratio_of(t) is not None for _, t in terms):
+        return None
+    if len(terms) == 1 and terms[0][0] == 1.0 and terms[0][1] is value:
+        return None  # One ratio, read as it is.
+    return terms
+
+
+def _linear_terms(tensor, coefficient, terms):
+    """Appends `tensor`'s terms times `coefficient` to `terms`; False when there are more than `_LINEAR_TERMS_MAX`."""
+    if len(terms) >= _LINEAR_TERMS_MAX:
+        return False
+    op = _through(tensor.op)
+    scalars = op is not None and all(t.shape.rank == 0 for t in op.inputs)
+    if not scalars or ratio_of(tensor) is not None or _scalar_constant(tensor) is not None:
+        terms.append((coefficient, tensor))
+        return True
+    inputs = list(op.inputs)
+    if op.type in ("AddV2", "Add", "AddN"):
+        return all(_linear_terms(t, coefficient, terms) for t in inputs)
+    if op.type == "Sub" and len(inputs) == 2:
+        return _linear_terms(inputs[0], coefficient, terms) and _linear_terms(inputs[1], -coefficient, terms)
+    if op.type == "Neg" and len(inputs) == 1:
+        return _linear_terms(inputs[0], -coefficient, terms)
+    constants = [_scalar_constant(t) for t in inputs] if len(inputs) == 2 else [None, None]
+    if op.type == "Mul" and (constants[0] is None) != (constants[1] is None):
+        factor, other = (constants[0], inputs[1]) if constants[0] is not None else (constants[1], inputs[0])
+        return _linear_terms(other, coefficient * factor, terms)
+    if op.type in _DIVISIONS and constants[0] is None and constants[1]:
+        return _linear_terms(inputs[0], coefficient / constants[1], terms)
+    terms.append((coefficient, tensor))
+    return True
 
 
 def _through(op):
     while op is not None and op.type in _PASS_THROUGH and op.inputs:
         op = op.inputs[0].op
     return op
-
-
-def _batch_sum_input(tensor):
-    """The tensor `tensor` is a `Sum` of (through casts), when that has a leading dimension; else `None`."""
-    op = _through(tensor.op)
-    if op is None or op.type != "Sum":
-        return None
-    reduced = op.inputs[0]
-    return reduced if reduced.shape.rank is not None and reduced.shape.rank >= 1 else None
 
 
 @contextlib.contextmanager
@@ -574,7 +758,7 @@ def counted_once():
     finally:
         if record is not None:
             for term in record.terms[start:]:
-                term.kind, term.divisor, term.proportional = EXAMPLES, None, False
+                term.kind, term.divisor, term.proportional, term.ratio = EXAMPLES, None, False, None
 
 
 def divisors_to_sum(record):
@@ -598,7 +782,10 @@ def term_shares(record, example_share, summed_divisors):
         elif term.kind == SUM:
             shares.append(tf.constant(1.0))
         else:
-            shares.append(tf.math.divide_no_nan(term.divisor, summed_divisors[i]))
+            total = summed_divisors[i]
+            shares.append(
+                term.ratio.share(total) if term.ratio is not None else tf.math.divide_no_nan(term.divisor, total)
+            )
             i += 1
     return shares
 

@@ -108,12 +108,17 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
     # The user's own persistent tape, asked inside its `with` block, records still: not another tape.
     with _paused(self):
         weights = _backward_weights(target, step)
+        ratios = _ratio_targets(target, step, weighted=weights is not None)
     step.weighted_in_backward = weights is not None
     try:
-        gradients = _tape_gradient(self, target, sources, weights, *args, **kwargs)
+        if ratios is not None:  # A sum of ratios of sums: each by its own denominator's share.
+            gradients = loss_terms.TAPE_GRADIENT(self, ratios[0], sources, ratios[1], *args, **kwargs)
+        else:
+            gradients = _tape_gradient(self, target, sources, weights, *args, **kwargs)
     finally:
         step.weighted_in_backward = False
-    if weights is None:  # Weighted by `apply` afterwards: a per-example target counts once, a ratio by its denominator.
+    if weights is None and ratios is None:
+        # Weighted by `apply` afterwards: a per-example target counts once, a ratio by its denominator.
         with _paused(self):
             gradients = _per_example_gradient(target, gradients, step)
     with _paused(self):
@@ -134,6 +139,39 @@ def _tape_gradient(tape, target, sources, weights, *args, **kwargs):
         if through_sums is not None:
             return loss_terms.TAPE_GRADIENT(tape, through_sums[0], sources, through_sums[1], *args, **kwargs)
     return loss_terms.TAPE_GRADIENT(tape, target, sources, weights, *args, **kwargs)
+
+
+def _ratio_targets(target, step, *, weighted):
+    """`(targets, output_gradients)` that differentiate `target`, a sum of ratios of sums, each by its own share; or `None`.
+
+    keras.io's multi-task and captioning steps add masked ratios, each with
+    its own mask (`r1 + 0.5 * r2`, `loss_terms.linear_ratio_terms`): one
+    device's gradient is that of each global ratio, which each replica's
+    ratio gives weighted by its own denominator's share (`ratio_share`), not
+    by one share of the sum. Every other term counts by the example share.
+    `weighted`: the shares are applied here (`_backward_weights`); else
+    `apply` multiplies by the example share afterwards, and they are divided
+    by it here. `None` where `target` is not such a sum.
+    """
+    if not tf.is_tensor(target) or not target.dtype.is_floating:
+        return None
+    terms = loss_terms.linear_ratio_terms(target)
+    if terms is None:
+        return None
+    example_share = step.example_share()
+    targets, output_gradients = [], []
+    for coefficient, term in terms:
+        share = loss_terms.ratio_share(term, step)
+        if share is None:
+            share = example_share if weighted else tf.constant(1.0)
+        elif not weighted:
+            share = tf.math.divide_no_nan(share, example_share)
+        weight = tf.cast(coefficient * share, term.dtype)
+        through = loss_terms.ratio_output_gradients(term, weight)
+        parts, gradients = through if through is not None else ([term], [weight])
+        targets.extend(parts)
+        output_gradients.extend(gradients)
+    return targets, output_gradients
 
 
 def _paused(tape):
