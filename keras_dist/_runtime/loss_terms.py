@@ -111,17 +111,34 @@ class TrackerUpdate:
 
 
 @dataclasses.dataclass
+class OwnTrackerUpdate:
+    """A scalar `keras.metrics.Mean.update_state(value)` of the model's own code in keras-dist's step, with the state before.
+
+    Keras' `compute_loss` docstring overrides it with such a tracker. Its
+    `terms` are `value`'s (`terms_of`), each `(coefficient, tensor, index)`:
+    `index` is the ratio's `LossTerm` in the record, or `None`.
+    """
+
+    tracker: object
+    terms: list
+    total: object
+    count: object
+
+
+@dataclasses.dataclass
 class LossRecord:
-    """What `recording` saw: the loss terms in order, and the per-output tracker updates."""
+    """What `recording` saw: the loss terms in order, and the per-output and own tracker updates."""
 
     model: object
     terms: list = dataclasses.field(default_factory=list)
     trackers: list = dataclasses.field(default_factory=list)
     tape: object = None
+    own_trackers: list = dataclasses.field(default_factory=list)
+    ratio_terms: dict = dataclasses.field(default_factory=dict)  # A ratio's tensor name -> its index in `terms`.
 
     def all_weighted_by_examples(self):
-        """Whether every term is a mean over examples and no per-output tracker needs the global batch."""
-        return not self.trackers and all(t.weighted_by_examples for t in self.terms)
+        """Whether every term is a mean over examples and no tracker needs the global batch."""
+        return not self.trackers and not self.own_trackers and all(t.weighted_by_examples for t in self.terms)
 
 
 def _install():
@@ -170,12 +187,12 @@ def _mean_update_state(self, values, sample_weight=None):
     """
     original = _ORIGINAL["mean_update_state"]
     step = step_state.current()
-    if (
-        step is None
-        or not step.user_step
-        or sample_weight is not None
-        or type(self).update_state is not _mean_update_state
-    ):
+    if step is None or sample_weight is not None or type(self).update_state is not _mean_update_state:
+        return original(self, values, sample_weight)
+    if not step.user_step:
+        record = _RECORDS.get(step_state.replica_key())
+        if record is not None:
+            _note_own_tracker(record, self, values)
         return original(self, values, sample_weight)
     values = tf.convert_to_tensor(values)
     num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
@@ -183,6 +200,108 @@ def _mean_update_state(self, values, sample_weight=None):
         return original(self, values, sample_weight)
     value = tf.add_n([coefficient * _weighted_term(term, step, self.dtype) for coefficient, term in terms_of(values)])
     return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
+
+
+def _note_own_tracker(record, tracker, values):
+    """Notes a scalar update of a `Mean` tracker of the model's own in keras-dist's step (`OwnTrackerUpdate`).
+
+    On one device the tracker gains the global batch's value and a count of
+    one; here each replica would gain its own value and a count of one, so
+    the logs were the mean of the replicas' values (a new-user probe: 3.6e-3
+    off on uneven splits, NaN with a replica without examples).
+    `update_own_trackers` gives it the global value once the step has the
+    shares. Keras' own trackers (the total loss's, the compiled losses') are
+    given theirs elsewhere.
+    """
+    values = tf.convert_to_tensor(values)
+    model = record.model
+    keras_trackers = [
+        getattr(model, "_loss_tracker", None),
+        *getattr(getattr(model, "_compile_loss", None), "metrics", []),
+    ]
+    if values.shape.rank != 0 or any(tracker is t for t in keras_trackers):
+        return
+    if tf.distribute.get_replica_context().num_replicas_in_sync == 1:
+        return
+    terms = [(coefficient, term, _ratio_index(record, term)) for coefficient, term in terms_of(values)]
+    before = (tf.convert_to_tensor(tracker.total.value), tf.convert_to_tensor(tracker.count.value))
+    record.own_trackers.append(OwnTrackerUpdate(tracker, terms, *before))
+
+
+def _ratio_index(record, tensor):
+    """The index in `record.terms` of `tensor`'s `DIVISOR` term when it is a ratio (`ratio_of`), added once; else `None`.
+
+    The term's value is the ratio recomputed without NaN (`ratio_without_nan`),
+    watched by the record's tape: `own_ratios` builds the loss from it.
+    """
+    ratio = ratio_of(tensor)
+    if ratio is None:
+        return None
+    name = tensor.name
+    if name not in record.ratio_terms:
+        safe = ratio_without_nan(tensor)
+        if record.tape is not None:
+            record.tape.watch(safe)
+        record.terms.append(LossTerm(safe, DIVISOR, ratio.divisor, proportional=False, ratio=ratio))
+        record.ratio_terms[name] = len(record.terms) - 1
+    return record.ratio_terms[name]
+
+
+def own_ratios(record, total):
+    """`total`, the loss a `compute_loss` of the model's own returned, with its ratios of sums recorded as terms.
+
+    Keras records nothing of a loss an overridden `compute_loss` computes
+    itself (no Keras reduction runs): `sum(ce * mask) / sum(mask)` there was
+    counted by examples (a new-user probe: weights 7.7e-2 off). Its ratios,
+    alone or in a sum (`linear_ratio_terms`), are recorded as `DIVISOR`
+    terms, and the returned loss is rebuilt from them (the same value, 0
+    where a replica kept nothing, not NaN), so that the step weights each by
+    its own share. Left as it is where Keras recorded terms itself (the
+    override calls Keras' `compute_loss`), or where no ratio is found.
+
+    Args:
+        record: The step's `LossRecord` (inside `recording`).
+        total: The loss `compute_loss` returned (a tensor).
+
+    Returns:
+        A scalar tensor of `total`'s dtype, or `total`.
+    """
+    if record.tape is None or not tf.is_tensor(total) or total.shape.rank != 0 or not hasattr(total, "op"):
+        return total
+    if len(record.terms) != len(record.ratio_terms):
+        return total  # Keras recorded terms: the compiled loss, reduced by Keras.
+    terms = [(coefficient, term, _ratio_index(record, term)) for coefficient, term in terms_of(total)]
+    if all(index is None for _, _, index in terms):
+        return total
+    parts = [term if index is None else record.terms[index].value for _, term, index in terms]
+    return tf.add_n(
+        [
+            tf.cast(coefficient * tf.cast(part, total.dtype), total.dtype)
+            for (coefficient, _, _), part in zip(terms, parts)
+        ]
+    )
+
+
+def update_own_trackers(record, example_share, shares, num_examples, num_replicas):
+    """Gives each `OwnTrackerUpdate` this batch's global value: `total += share-weighted value`, `count += 1 / replicas`.
+
+    Each term counts by its share (a ratio's of its denominator, every other
+    term's of the examples); summed over the replicas the tracker gains the
+    global batch's value and a count of one, as on one device.
+    """
+    for update in record.own_trackers:
+        dtype = update.tracker.total.dtype
+        value = tf.zeros([], dtype)
+        for coefficient, term, index in update.terms:
+            if index is None:
+                share, counts = example_share, num_examples > 0
+            else:
+                share, term = shares[index], record.terms[index].value
+                counts = tf.not_equal(share, 0)
+            weighted = tf.where(counts, tf.cast(term, dtype), tf.zeros([], dtype)) * tf.cast(share, dtype)
+            value += coefficient * weighted
+        update.tracker.total.assign(update.total + value)
+        update.tracker.count.assign(update.count + tf.cast(1.0 / num_replicas, update.tracker.count.dtype))
 
 
 def terms_of(value):

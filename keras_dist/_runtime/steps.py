@@ -148,7 +148,7 @@ def test_step(model, data, *, options):
         with loss_terms.recording(model) as record:
             y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
-            loss = zero_when_empty(loss, num_examples)  # Inside: the record's tape sees the total.
+            loss = zero_when_empty(loss_terms.own_ratios(record, loss), num_examples)  # Inside: the tape sees it.
         if record.all_weighted_by_examples():
             model._loss_tracker.update_state(loss, sample_weight=num_examples)
         else:
@@ -182,7 +182,9 @@ def _global_loss(model, record, loss, num_examples, options):
     share = tf.math.divide_no_nan(count[0], global_examples)
     shares = loss_terms.term_shares(record, share, summed[1:])
     part = loss_terms.global_surrogate(record, loss, share, shares)
-    loss_terms.update_trackers(record, shares, model.distribute_strategy.num_replicas_in_sync)
+    num_replicas = model.distribute_strategy.num_replicas_in_sync
+    loss_terms.update_trackers(record, shares, num_replicas)
+    loss_terms.update_own_trackers(record, share, shares, num_examples, num_replicas)
     tracker = model._loss_tracker
     # A loss of one value per example (`reduction="none"`): `part` is this replica's sum, and Keras'
     # tracker logs the mean of every value.
@@ -368,7 +370,7 @@ def _exact_forward_backward(model, x, y, sample_weight, step, ride_along, option
         ):
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-            loss = zero_when_empty(loss, num_examples)  # Inside: the record's tape sees the total.
+            loss = zero_when_empty(loss_terms.own_ratios(record, loss), num_examples)  # Inside: the tape sees it.
         if ride_along and not collectives and not custom_gradients and record.all_weighted_by_examples():
             # A collective in `call` (synchronized BatchNormalization) sends the gradient of every replica's loss
             # back through it, and a custom gradient of one's own may not be linear in the upstream gradient:
