@@ -320,36 +320,66 @@ def _parts(value, sizes):
 
 
 def _ratio_divisor_of(loss, y_true, y_pred):
-    """`(divisor, weight, ratio)` of `loss` on a part where it returns a ratio of sums (`loss_terms.ratio_of`), else `None`.
+    """The parts of `loss`'s value on a part of the batch, where it holds ratios of sums; else `None`.
 
-    `divisor` and `weight` are floats (`Ratio.divisor`, `Ratio.weight`);
-    `ratio` is the traced `Ratio`, whose `share` shifts the parts' summed
-    divisor as the step does. Traced once per part (the ratio is read from
-    the graph), on the host.
+    A list of `(coefficient, value, divisor, weight, ratio)`, one per term of
+    the value (`loss_terms.terms_of`: the value itself, or the terms of a sum
+    of ratios): `ratio` is the traced `loss_terms.Ratio` (`None` for a term
+    that is not one), `value` the term's (a ratio's without NaN), `divisor`
+    and `weight` floats (`Ratio.divisor`, `Ratio.weight`). Traced once per
+    part (the ratios are read from the graph), on the host.
     """
     found = []
 
     def traced(t, p):
         value = _loss_values(loss, t, p)
-        ratio = loss_terms.ratio_of(value)
-        if ratio is None:
-            return tf.constant([-1.0, -1.0])
-        found.append(ratio)
-        return tf.stack([ratio.divisor, ratio.weight])
+        if not tf.is_tensor(value) or value.shape.rank != 0:
+            return tf.zeros([0, 4])
+        rows = []
+        for coefficient, term in loss_terms.terms_of(value):
+            ratio = loss_terms.ratio_of(term)
+            found.append((coefficient, ratio))
+            if ratio is None:
+                rows.append([tf.cast(term, tf.float32), tf.constant(-1.0), tf.constant(-1.0)])
+            else:
+                safe = tf.cast(loss_terms.ratio_without_nan(term), tf.float32)
+                rows.append([safe, ratio.divisor, ratio.weight])
+        return tf.stack([tf.stack(row) for row in rows])
 
     try:
-        divisor, weight = (float(v) for v in tf.function(traced, autograph=False)(y_true, y_pred))
+        rows = tf.function(traced, autograph=False)(y_true, y_pred).numpy()
     except Exception:  # noqa: BLE001  (a loss that cannot be traced here: taken for a mean over examples)
         return None
-    return None if divisor < 0 or not found else (divisor, weight, found[0])
+    if not any(ratio is not None for _, ratio in found) or len(found) != len(rows):
+        return None
+    return [(c, float(r[0]), float(r[1]), float(r[2]), ratio) for (c, ratio), r in zip(found, rows)]
+
+
+def _combined(per_part, counts):
+    """The parts' scalar values combined as the step weights them: each ratio by its denominator's share, the rest by examples.
+
+    `per_part`: `_ratio_divisor_of` of each part (the same terms on each);
+    `counts`: their examples. `None` where a ratio's global denominator is 0.
+    """
+    combined = 0.0
+    for k, (coefficient, _, _, _, ratio) in enumerate(per_part[0]):
+        if ratio is None:
+            combined += coefficient * sum(n * part[k][1] for n, part in zip(counts, per_part)) / sum(counts)
+            continue
+        denominator = ratio.global_denominator(sum(part[k][2] for part in per_part))
+        if not denominator:
+            return None
+        # A part of weight 0 (a ratio whose part kept no tokens: 0 / 0) counts nothing, as in the step.
+        combined += coefficient * sum(part[k][3] * part[k][1] for part in per_part if part[k][3]) / denominator
+    return combined
 
 
 def _difference(values_of, y_true, y_pred, sizes, divisors_of=None):
     """The largest relative difference between whole-batch and per-part values, when over `RTOL`; else `None`.
 
     A scalar's parts combine weighted by their examples, or, where `divisors_of(y_true, y_pred)`
-    gives every part's ratio (`_ratio_divisor_of`), by their shares of the global denominator, as
-    the step weights them.
+    reads ratios of sums in every part's value (`_ratio_divisor_of`), each ratio by its share of
+    the global denominator and the rest by examples, as the step weights them.
     """
     try:
         whole = np.asarray(values_of(y_true, y_pred), dtype="float64")
@@ -362,14 +392,13 @@ def _difference(values_of, y_true, y_pred, sizes, divisors_of=None):
     if whole.ndim == 0:
         if any(p.ndim for p in parts):
             return float("inf")
-        shares = [c / sum(counts) for c in counts]
+        combined = None
         if divisors_of is not None:
-            ratios = [divisors_of(t, p) for t, p in zip(_parts(y_true, sizes), _parts(y_pred, sizes))]
-            if all(r is not None for r in ratios) and sum(r[0] for r in ratios) > 0:
-                denominator = ratios[0][2].global_denominator(sum(r[0] for r in ratios))
-                shares = [r[1] / denominator if denominator else 0.0 for r in ratios]  # As `Ratio.share`.
-        # A part of weight 0 (a ratio whose part kept no tokens: 0 / 0) counts nothing, as in the step.
-        combined = sum(w * float(p) for w, p in zip(shares, parts) if w)
+            per_part = [divisors_of(t, p) for t, p in zip(_parts(y_true, sizes), _parts(y_pred, sizes))]
+            if all(r is not None and len(r) == len(per_part[0]) for r in per_part):
+                combined = _combined(per_part, counts)
+        if combined is None:
+            combined = sum(n * float(p) for n, p in zip(counts, parts)) / sum(counts)
     else:
         if any(p.ndim == 0 or p.shape[1:] != whole.shape[1:] for p in parts):
             return float("inf")

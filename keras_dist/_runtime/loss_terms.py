@@ -87,6 +87,10 @@ class LossTerm:
             per-example shape), so `EXAMPLES` weighting is exact for it.
         ratio: `None`, or the `Ratio` a loss function's own scalar is
             written as (for `DIVISOR`): its share is `ratio.share`.
+        parts: `None`, or, for a loss function's scalar that adds ratios of
+            sums (`split_ratios`), its `(coefficient, term, index)` parts:
+            each ratio is a `DIVISOR` term of its own (`index`), and this
+            term counts the rest by examples.
     """
 
     value: object
@@ -94,6 +98,7 @@ class LossTerm:
     divisor: object = None
     proportional: bool = False
     ratio: object = None
+    parts: object = None
 
     @property
     def weighted_by_examples(self):
@@ -270,19 +275,28 @@ def own_ratios(record, total):
         return total
     if len(record.terms) != len(record.ratio_terms):
         return total  # Keras recorded terms: the compiled loss, reduced by Keras.
-    terms = [(coefficient, term, _ratio_index(record, term)) for coefficient, term in terms_of(total)]
-    if all(index is None for _, _, index in terms):
+    parts = [(coefficient, term, _ratio_index(record, term)) for coefficient, term in terms_of(total)]
+    if all(index is None for _, _, index in parts):
         return total
-    parts = [term if index is None else record.terms[index].value for _, term, index in terms]
-    return tf.add_n(
-        [
-            tf.cast(coefficient * tf.cast(part, total.dtype), total.dtype)
-            for (coefficient, _, _), part in zip(terms, parts)
-        ]
-    )
+    return _rebuilt(record, parts, total.dtype)
 
 
-def update_own_trackers(record, example_share, shares, num_examples, num_replicas):
+def _rebuilt(record, parts, dtype):
+    """`sum(coefficient x term)` over `parts` (`(coefficient, term, index)`), each ratio its recorded term's value."""
+    values = [term if index is None else record.terms[index].value for _, term, index in parts]
+    return tf.add_n([tf.cast(c * tf.cast(v, dtype), dtype) for (c, _, _), v in zip(parts, values)])
+
+
+def _part_value(record, part, shares, example_share, dtype):
+    """`coefficient x term x share` of one part (`(coefficient, term, index)`): a ratio by its own share."""
+    coefficient, term, index = part
+    share = example_share if index is None else shares[index]
+    value = term if index is None else record.terms[index].value
+    counts = tf.not_equal(share, 0)  # No examples, or no tokens kept: 0, not NaN.
+    return coefficient * tf.where(counts, tf.cast(value, dtype), tf.zeros([], dtype)) * tf.cast(share, dtype)
+
+
+def update_own_trackers(record, example_share, shares, num_replicas):
     """Gives each `OwnTrackerUpdate` this batch's global value: `total += share-weighted value`, `count += 1 / replicas`.
 
     Each term counts by its share (a ratio's of its denominator, every other
@@ -291,15 +305,7 @@ def update_own_trackers(record, example_share, shares, num_examples, num_replica
     """
     for update in record.own_trackers:
         dtype = update.tracker.total.dtype
-        value = tf.zeros([], dtype)
-        for coefficient, term, index in update.terms:
-            if index is None:
-                share, counts = example_share, num_examples > 0
-            else:
-                share, term = shares[index], record.terms[index].value
-                counts = tf.not_equal(share, 0)
-            weighted = tf.where(counts, tf.cast(term, dtype), tf.zeros([], dtype)) * tf.cast(share, dtype)
-            value += coefficient * weighted
+        value = tf.add_n([_part_value(record, part, shares, example_share, dtype) for part in update.terms])
         update.tracker.total.assign(update.total + value)
         update.tracker.count.assign(update.count + tf.cast(1.0 / num_replicas, update.tracker.count.dtype))
 
@@ -448,7 +454,9 @@ def _recording_reduce_weighted_values(
         # calls `SparseCategoricalCrossentropy(reduction="none")` in its `masked_loss`); what that
         # function returns is reduced, and recorded, by the outer loss (it was counted twice).
         return _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
-    safe = ratio_without_nan(values) if tf.is_tensor(values) and values.shape.rank == 0 else values
+    scalar = tf.is_tensor(values) and values.shape.rank == 0
+    split = split_ratios(record, values) if scalar and sample_weight is None and mask is None else None
+    safe = split[0] if split is not None else ratio_without_nan(values) if scalar else values
     result = _ORIGINAL["reduce_weighted_values"](safe, sample_weight, mask, reduction, dtype)  # Kept none: 0, not NaN.
     if (
         _empty_vector(values)
@@ -459,10 +467,37 @@ def _recording_reduce_weighted_values(
         # Keras 3.16 traces each replica's step with its static batch size: a replica without examples would
         # return an empty vector where the others return a scalar, and take another path through the step.
         result = tf.reduce_sum(result)
-    record.terms.append(_term(result, values, sample_weight, mask, reduction, dtype))
+    term = _term(result, values, sample_weight, mask, reduction, dtype)
+    term.parts = split[1] if split is not None else None
+    record.terms.append(term)
     if record.tape is not None and tf.is_tensor(result):
         record.tape.watch(result)
     return result
+
+
+def split_ratios(record, value):
+    """`(rebuilt, parts)` of a loss function's scalar that adds ratios of sums, each recorded as a term; or `None`.
+
+    A compiled loss function returning `r1 + 0.5 * r2`, each ratio over its
+    own mask (`linear_ratio_terms`), was one term counted by examples (a
+    new-user probe: weights 8.3e-2 off, and the first-batch check warned).
+    Each ratio becomes a `DIVISOR` term of its own (`_ratio_index`), and the
+    value is rebuilt from them (`_rebuilt`: equal, and 0 where a part kept
+    nothing), so that the step weights each by its own denominator's share
+    and the rest by the examples.
+
+    Args:
+        record: The step's `LossRecord`.
+        value: The scalar tensor the loss function returned.
+
+    Returns:
+        `(scalar tensor of value's dtype, [(coefficient, term, index), ...])`, or `None`.
+    """
+    terms = linear_ratio_terms(value)
+    if terms is None or record.tape is None:
+        return None
+    parts = [(coefficient, term, _ratio_index(record, term)) for coefficient, term in terms]
+    return _rebuilt(record, parts, value.dtype), parts
 
 
 def _term(result, values, sample_weight, mask, reduction, dtype):
@@ -946,6 +981,10 @@ def update_trackers(record, shares, num_replicas):
         if update.term < 0:
             continue
         term = record.terms[update.term]
-        contribution = tf.cast(shares[update.term], tf.float32) * tf.cast(tf.reduce_sum(term.value), tf.float32)
+        if term.parts is not None:  # Its ratios by their own shares, the rest by the examples (its own share).
+            parts = [_part_value(record, part, shares, shares[update.term], tf.float32) for part in term.parts]
+            contribution = tf.add_n(parts)
+        else:
+            contribution = tf.cast(shares[update.term], tf.float32) * tf.cast(tf.reduce_sum(term.value), tf.float32)
         update.tracker.total.assign(update.total + tf.cast(contribution, update.tracker.total.dtype))
         update.tracker.count.assign(update.count + tf.cast(1.0 / num_replicas, update.tracker.count.dtype))

@@ -184,7 +184,7 @@ def _global_loss(model, record, loss, num_examples, options):
     part = loss_terms.global_surrogate(record, loss, share, shares)
     num_replicas = model.distribute_strategy.num_replicas_in_sync
     loss_terms.update_trackers(record, shares, num_replicas)
-    loss_terms.update_own_trackers(record, share, shares, num_examples, num_replicas)
+    loss_terms.update_own_trackers(record, share, shares, num_replicas)
     tracker = model._loss_tracker
     # A loss of one value per example (`reduction="none"`): `part` is this replica's sum, and Keras'
     # tracker logs the mean of every value.

@@ -1047,12 +1047,10 @@ def test_ratios_written_in_other_forms(mirrored_1x2_cpu, token_loss, written, ac
 
     In a step of one's own: `sum(l * m) / (sum(m) + 1e-6)`, `/ maximum(sum(m), 1)` and
     `mean(l * m) / mean(m)` 1.0e-1 off, `r1 + 0.5 * r2` 8.3e-2 off; keras.io's image captioning
-    (`batch_loss += loss` per caption) logged its tracker 5.2e-2 off. Each ratio now counts by
-    its own denominator's share, its tracker too. A compiled sum of ratios is still only warned
-    of (`test_a_compiled_sum_of_ratios_is_warned_of`).
+    (`batch_loss += loss` per caption) logged its tracker 5.2e-2 off. Compiled, the sums of ratios
+    were 8.3e-2 off, warned as coupling the batch. Each ratio now counts by its own denominator's
+    share, its tracker too.
     """
-    if written == "compiled" and token_loss in (_sum_of_ratios_loss, _captioning_loss):
-        pytest.skip("a compiled sum of ratios couples the batch: warned of, below")
     plain, distributed = _classes(_TokenRatioStep)
     plain.token_loss = distributed.token_loss = staticmethod(token_loss)
 
@@ -1074,15 +1072,25 @@ def test_ratios_written_in_other_forms(mirrored_1x2_cpu, token_loss, written, ac
     _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=written == "compiled")
 
 
-def test_a_compiled_sum_of_ratios_is_warned_of(mirrored_1x2_cpu):
-    """Not read yet as two ratios (docs/numerics.md): the first batch shows it, and the warning names the fix."""
-    inputs = keras.Input((6, 3))
-    with mirrored_1x2_cpu.scope():
-        model = keras_dist.DistributedModel(inputs, keras.layers.Dense(3)(inputs))
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sum_of_ratios_loss)
+def test_a_sum_of_ratios_compiled_for_one_of_two_outputs(mirrored_1x2_cpu):
+    """Its per-output loss log counts each ratio by its own share too, next to a plain output's loss."""
+
+    def build(cls, kwargs):
+        inputs = keras.Input((6, 3))
+        tokens = keras.layers.Dense(3, name="tokens")(inputs)
+        score = keras.layers.Dense(1, name="score")(keras.layers.Flatten()(inputs))
+        model = cls(inputs, {"tokens": tokens, "score": score}, **kwargs)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.2),
+            loss={"tokens": _sum_of_ratios_loss, "score": "mse"},
+            loss_weights={"tokens": 1.0, "score": 0.5},
+        )
+        return model
+
     x, y = _padded_tokens(37)
-    with pytest.warns(keras_dist.errors.KerasDistWarning, match="couples the examples"):
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    y[:, 3] = 2
+    targets = {"tokens": y, "score": x.sum(axis=(1, 2))[:, None] / 10}
+    _train_both(mirrored_1x2_cpu, build, x, targets, batch_size=8)
 
 
 class _ComputeLossTracker:
