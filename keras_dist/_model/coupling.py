@@ -73,8 +73,9 @@ def message(coupled, num_replicas):
     else:
         seen = (
             f"The compiled {coupled.kind} {coupled.name!r} couples the examples of a batch: on the first global "
-            f"batch its values differ from those computed on each of the {num_replicas} replicas' parts (largest "
-            f"relative difference: {difference}), so each replica computes another {coupled.kind} than one device "
+            f"batch its values differ from those computed on each of the {num_replicas} replicas' parts (split as "
+            f"the replicas split it, or unevenly, as a last batch is; largest relative difference: {difference}), "
+            f"so each replica computes another {coupled.kind} than one device "
             "does on the global batch (an in-batch softmax, contrastive, triplet or batch-wide loss sees fewer "
             "examples), and "
         )

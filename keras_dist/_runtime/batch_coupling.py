@@ -460,7 +460,23 @@ def _metric_difference(metric, y_true, y_pred, sample_weight, sizes):
 
 
 def _summed_state_difference(metric, y_true, y_pred, sample_weight, sizes):
-    """A metric class of one's own: its result from the parts' summed state against the whole batch's."""
+    """A metric class of one's own: its result from the parts' summed state against the whole batch's.
+
+    Checked on the replicas' split and, where that is even, on one that is
+    not (one example moved from the last part to the first, as a last batch
+    splits): a state that adds up one number per batch (`total += mean(x)`,
+    `count += 1`) sums the replicas' means, one device's only on even parts
+    (a new-user probe: 8.6e-3 off, unwarned, when the first batch split evenly).
+    """
+    differences = [_summed_state_difference_on(metric, y_true, y_pred, sample_weight, sizes)]
+    if len(set(sizes)) == 1 and sizes[-1] > 1:
+        uneven = [sizes[0] + 1, *sizes[1:-1], sizes[-1] - 1]
+        differences.append(_summed_state_difference_on(metric, y_true, y_pred, sample_weight, uneven))
+    found = [d for d in differences if d is not None]
+    return max(found) if found else None
+
+
+def _summed_state_difference_on(metric, y_true, y_pred, sample_weight, sizes):
     try:
         variables = list(metric.variables)
         with keras.StatelessScope(state_mapping=[(v, v.value) for v in variables]) as scope:

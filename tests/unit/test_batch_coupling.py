@@ -143,6 +143,38 @@ def test_a_batch_wide_keras_loss_and_a_metric_class_of_ones_own_warn_once_each(m
     assert "compile(metrics=[keras_dist.global_batch(BatchMax(...))])" in messages[1]
 
 
+class MeanOfBatchMeans(keras.metrics.Metric):
+    """A new-user probe's metric: adds one batch mean and one count per batch (8.6e-3 off on 2 replicas, unwarned)."""
+
+    def __init__(self, name="mean_of_batch_means", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), "zeros", name="total")
+        self.count = self.add_variable((), "zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(ops.mean(ops.abs(y_true - y_pred)))
+        self.count.assign_add(1.0)
+
+    def result(self):
+        return self.total / self.count
+
+
+class SummedAbsoluteError(MeanOfBatchMeans):
+    """The same mean kept as sums over the examples: exact on any split."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(ops.sum(ops.mean(ops.abs(y_true - y_pred), axis=-1)))
+        self.count.assign_add(ops.cast(ops.shape(y_true)[0], "float32"))
+
+
+def test_a_metric_adding_batch_means_is_named_where_the_first_batch_splits_evenly(mirrored_1x2_cpu):
+    """Batches of 6 on 2 replicas (3 and 3): the check also splits the first batch 4 and 2, as a last batch splits."""
+    messages = _warnings_of(mirrored_1x2_cpu, "mse", [MeanOfBatchMeans(), SummedAbsoluteError()], batch_size=6)
+    assert len(messages) == 1, messages
+    assert "The compiled metric 'mean_of_batch_means'" in messages[0]
+    assert "or unevenly, as a last batch is" in messages[0]
+
+
 @pytest.mark.parametrize(
     "loss, targets",
     [
