@@ -46,6 +46,7 @@ PROGRAMS = [
     "c33_mixup_in_train_step",
     "c34_token_ratio_masked_loss",
     "c35_semi_supervised_ratio_loss",
+    "c36_image_captioning",
 ]
 KNOWN_FAILURES = {}
 
