@@ -328,8 +328,9 @@ FIXES = {
             "the optimizer's iteration increment, which does not depend on the data: optimizer.iterations counts "
             "one step too many per epoch (2 epochs of 8 batches: 18), shifting Adam's bias correction.",
             remedy="DistributedModel.fit counts the steps each epoch ran (steps_per_execution=1) and, at the epoch's "
-            "end, before any other callback, sets the counter back to the steps that ran, times the counter's "
-            "increments in the epoch's first step (a step may apply the optimizer more than once).",
+            "end, before any other callback, sets the counter back to at most what it read after the epoch's first "
+            "step that moved it, plus that step's increments for each step after it (a step may apply the optimizer "
+            "more than once; a LossScaleOptimizer skips steps without moving it).",
             checked_on=("3.10.0", "3.13.2", "3.15.1"),
             notes="keras-nightly 3.16.0.dev2026102704 does not reproduce the bug (the counter is right: 16 for 2 epochs of 8 batches): the fix is off there; if Keras 3.16 is released so, the range ends at 3.16.",
             remove_when=_OPEN,

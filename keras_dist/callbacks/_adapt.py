@@ -78,24 +78,33 @@ class ExactIterationCount(keras.callbacks.Callback):
     See docs/compat.md, `exhausted_input_iteration_count`. Counts the raw
     counter of the innermost optimizer (micro-batches under accumulation).
     Only with `steps_per_execution=1`, where Keras' last call of an epoch
-    is a plain `get_next` that can fail after the increment ran.
+    is a plain `get_next` that can fail after the increment ran. Never sets
+    the counter below what it read after the epoch's first step that moved
+    it, plus one step's increments for each step after that one.
     """
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._begin, self._steps, self._per_step = self._count(), 0, None
+        self._last, self._steps, self._per_step, self._counted_steps = self._count(), 0, None, 0
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps += 1
         if self._per_step is None:
             # A step may apply the optimizer more than once (keras.io's image captioning: once per caption), so
-            # the counter's increments per step are read once, after the epoch's first step (a new-user probe:
-            # a step with two `apply_gradients` ended at 14 iterations instead of 28, and Adam's steps changed).
-            self._per_step = self._count() - self._begin
+            # the counter's increments per step are read, after the epoch's first step that moved it (a new-user
+            # probe: a step with two `apply_gradients` ended at 14 iterations instead of 28). A step a
+            # `LossScaleOptimizer` skips for an inf or NaN gradient does not move it: read from the epoch's
+            # first step, that 0 set the counter back to the epoch's start at its end (another probe:
+            # 0 iterations instead of 18, Adam's bias correction restarting each epoch, weights 0.25 off).
+            count = self._count()
+            if count > self._last:
+                self._per_step = count - self._last
+            self._last, self._counted_steps = count, self._steps
 
     def on_epoch_end(self, epoch, logs=None):
         if (getattr(self.model, "steps_per_execution", 1) or 1) != 1 or self._per_step is None:
             return
-        expected = self._begin + self._steps * self._per_step
+        # At most what the counter read last plus the steps after it, each moving it as the one read did.
+        expected = self._last + (self._steps - self._counted_steps) * self._per_step
         if self._count() > expected:
             ki.raw_iterations(self.model.optimizer).assign(expected)
 
