@@ -64,12 +64,15 @@ def copy_batches(generator):
 
 
 def _batch_if_unbatched(dataset, model, batch_size, num_replicas, batch_size_argument):
-    expected = _input_ranks(model)
-    if expected is None:
+    shapes = _input_shapes(model)
+    if shapes is None:
         return dataset
+    expected = [len(shape) for shape in shapes]
     element = tf.nest.flatten(dataset.element_spec)[: len(expected)]
     ranks = [spec.shape.rank for spec in element if isinstance(spec, tf.TensorSpec)]
     if len(ranks) != len(expected) or any(r is None or r != e - 1 for r, e in zip(ranks, expected)):
+        return dataset
+    if any(_batch_keras_expands(spec.shape, shape) for spec, shape in zip(element, shapes)):
         return dataset
     if not batch_size:
         shapes = [tuple(spec.shape) for spec in element]
@@ -83,12 +86,27 @@ def _batch_if_unbatched(dataset, model, batch_size, num_replicas, batch_size_arg
     return dataset.batch(batch_size)
 
 
-def _input_ranks(model):
+def _batch_keras_expands(element_shape, input_shape):
+    """Whether an element of `element_shape`, one rank short of `input_shape`, is a batch Keras expands.
+
+    Keras' functional models take an input one rank short of an `Input`
+    whose last dimension is 1 and add that dimension (`Functional._adjust_input_rank`):
+    keras.io's structured data example batches one column per feature,
+    `(batch,)`, for `keras.Input(shape=(1,))`. A single example of such an
+    input ends in a static 1 (`(1,)`); an element that does not is a batch
+    (a new-user probe: refused as "single examples", and batched again
+    with `batch_size=` it failed).
+    """
+    return input_shape[-1] == 1 and element_shape[-1] != 1
+
+
+def _input_shapes(model):
+    """The model's input shapes (tuples, batch first) where it is a functional model, else `None`."""
     inputs = getattr(model, "inputs", None)
     if not inputs or not keras_internals.is_graph_network(model):
         return None
     try:
-        return [len(i.shape) for i in inputs]
+        return [tuple(i.shape) for i in inputs]
     except (TypeError, AttributeError):
         return None
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import keras_dist
 from keras_dist.data import DatasetCreator, _sharding, verify_sharding, with_auto_shard_policy
-from keras_dist.testing import max_weight_difference
+from keras_dist.testing import assert_matches_single_device, max_weight_difference
 
 KINDS_ONE_WORKER = [k for k in sharding_workload.INPUT_KINDS]
 
@@ -413,3 +413,32 @@ def test_verify_sharding_per_step_counts_what_a_step_repeats_or_lacks(mirrored_1
     report = _verify._report(plan, mirrored_1x2_cpu, got, [0, 0, 1, 1] * 2, reference, "per step")
     assert (report.num_duplicated, report.num_missing) == (2, 2) and not report.every_example_once
     assert "NOT every example once in its step: 2 duplicated, 2 missing" in str(report)
+
+
+def test_a_batched_dataset_of_feature_columns_is_not_taken_for_single_examples(mirrored_1x2_cpu):
+    """keras.io's structured data classification: one `keras.Input(shape=(1,))` per feature, batches of `(batch,)`.
+
+    A new-user probe: refused as "single examples", and batched again with `batch_size=` as the
+    message said, it failed. Keras adds the last dimension of 1 itself; single examples of those
+    inputs, `(1,)`, are still batched with `batch_size=`, or refused without it.
+    """
+    rs = np.random.RandomState(90)
+    features = {"age": rs.rand(37).astype("float32"), "chol": rs.rand(37).astype("float32")}
+    labels = (features["age"] + features["chol"] > 1).astype("float32")
+
+    def build(model_class, **kwargs):
+        age, chol = keras.Input(shape=(1,), name="age"), keras.Input(shape=(1,), name="chol")
+        hidden = keras.layers.Dense(4, activation="relu")(keras.layers.concatenate([age, chol]))
+        model = model_class([age, chol], keras.layers.Dense(1, activation="sigmoid")(hidden), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy", metrics=["accuracy"])
+        return model
+
+    def train(model):
+        dataset = tf.data.Dataset.from_tensor_slices((features, labels)).batch(8)
+        history = model.fit(dataset, epochs=2, verbose=0)
+        return {"history": history.history, "evaluate": model.evaluate(dataset, verbose=0, return_dict=True)}
+
+    assert_matches_single_device(build, strategy=mirrored_1x2_cpu, train=train, atol=1e-6, rtol=0.0)
+    single = tf.data.Dataset.from_tensor_slices(({k: v[:, None] for k, v in features.items()}, labels))
+    with pytest.raises(ValueError, match="yields single examples, not batches"):
+        build(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu).fit(single, epochs=1, verbose=0)
