@@ -218,6 +218,21 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="replica_layer_losses",
+            package="keras",
+            verified=">=3.10,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/layers/layer.py (add_loss, _get_own_losses, _clear_losses: one Layer._losses list; no upstream report found)",
+            symptom="Under a one-process multi-replica strategy every replica's call appends its add_loss values "
+            "(activity regularizers, a layer's own add_loss) to the same Layer._losses list and clears it at its "
+            "outermost call: a replica that reads model.losses after another replica's call ran in between (one "
+            "waiting in a collective of the forward pass, as synchronized BatchNormalization's) reads that "
+            "replica's values, and its loss and gradients differ from one device's.",
+            remedy="Inside a keras-dist step on several replicas, add_loss, the layer's own losses and their "
+            "clearing use one list per replica, dropped at the end of the step.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="distribute_reduction_method",
             package="keras",
             verified=">=3.10,<3.16",

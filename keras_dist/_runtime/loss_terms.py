@@ -40,6 +40,7 @@ import functools
 import inspect
 import sys
 import threading
+import weakref
 
 import tensorflow as tf
 from keras import ops, tree
@@ -49,6 +50,7 @@ from keras.src.metrics import reduction_metrics
 
 from keras_dist import _compat
 from keras_dist._runtime import batch_metrics, step_state
+from keras_dist._runtime import keras_internals as ki
 
 EXAMPLES = "examples"  # Weighted by the replica's share of the examples (a mean over examples).
 DIVISOR = "divisor"  # Weighted by the replica's share of the term's own divisor (tokens, weights).
@@ -60,6 +62,8 @@ _ORIGINAL = {
     "unscale_loss_for_distribution": keras_loss.unscale_loss_for_distribution,
     "mean_update_state": reduction_metrics.Mean.update_state,
     "add_loss": keras_layer.Layer.add_loss,
+    "get_own_losses": keras_layer.Layer._get_own_losses,
+    "clear_losses": keras_layer.Layer._clear_losses,
     "loss_call": keras_loss.Loss.__call__,
 }
 # TensorFlow's own (`user_steps` wraps `tf.GradientTape.gradient` for the user's steps at run time).
@@ -155,6 +159,8 @@ def _install():
             keras_loss.unscale_loss_for_distribution = _unscale_loss_for_distribution
             reduction_metrics.Mean.update_state = _mean_update_state
             keras_layer.Layer.add_loss = _recording_add_loss
+            keras_layer.Layer._get_own_losses = _replica_get_own_losses
+            keras_layer.Layer._clear_losses = _replica_clear_losses
             keras_loss.Loss.__call__ = _counting_loss_call
 
 
@@ -347,7 +353,65 @@ def _recording_add_loss(self, loss):
                 record.terms.append(LossTerm(value, SUM))
                 if record.tape is not None:
                     record.tape.watch(value)
-    return _ORIGINAL["add_loss"](self, loss)
+    own = _replica_losses(self, create=True)
+    values = tree.flatten(loss)
+    if own is None or not all(tf.is_tensor(v) for v in values):
+        return _ORIGINAL["add_loss"](self, loss)  # Keras' own (and its error for a value that is not a tensor).
+    own.extend(values)
+    return None
+
+
+_REPLICA_LOSSES = "_keras_dist_replica_losses"  # On a layer: replica key -> that replica's `add_loss` values.
+_LAYERS_WITH_REPLICA_LOSSES = weakref.WeakSet()
+
+
+def _replica_losses(layer, create=False):
+    """This replica's list of `layer`'s `add_loss` values inside a keras-dist step (compat fix `replica_layer_losses`).
+
+    Keras keeps a layer's `add_loss` values in one list (`Layer._losses`)
+    that every replica of a one-process strategy shares: each replica's
+    `call` runs in its own thread, clears the list at its outermost call and
+    appends to it, so a replica that reads `model.losses` after another
+    replica's `call` ran in between (one waiting in a collective of the
+    forward pass, synchronized BatchNormalization's) reads that replica's
+    values (a new-user probe: an activity regularizer before a synchronized
+    BatchNormalization, predictions 0.185 off one device; keras.io's VQ-VAE
+    logged its loss 1.5e-2 off). Inside a keras-dist step on several
+    replicas each replica keeps its own list. `None` elsewhere: Keras' list.
+    """
+    if step_state.current() is None or ki.in_stateless_scope() or not _compat.is_active("replica_layer_losses"):
+        return None
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    per_replica = layer.__dict__.get(_REPLICA_LOSSES)
+    if per_replica is None:
+        if not create:
+            return []
+        per_replica = layer.__dict__.setdefault(_REPLICA_LOSSES, {})
+    if not create:
+        return per_replica.get(step_state.replica_key(), [])
+    _LAYERS_WITH_REPLICA_LOSSES.add(layer)
+    return per_replica.setdefault(step_state.replica_key(), [])
+
+
+def _replica_get_own_losses(self):
+    own = _replica_losses(self)
+    return _ORIGINAL["get_own_losses"](self) if own is None else list(own)
+
+
+def _replica_clear_losses(self):
+    own = _replica_losses(self)
+    if own:
+        own.clear()
+    return _ORIGINAL["clear_losses"](self)
+
+
+def release_replica_losses():
+    """Drops this replica's `add_loss` lists (`_replica_losses`) at the end of its step: they hold the step's tensors."""
+    key = step_state.replica_key()
+    for layer in list(_LAYERS_WITH_REPLICA_LOSSES):
+        layer.__dict__.get(_REPLICA_LOSSES, {}).pop(key, None)
 
 
 def per_example(value, step):
@@ -888,6 +952,7 @@ def recording(model):
             record.tape = tape
             yield record
     finally:
+        release_replica_losses()
         if previous is None:
             _RECORDS.pop(key, None)
         else:

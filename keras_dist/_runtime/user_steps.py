@@ -87,7 +87,10 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
     layers.weighted_state_installed()
     _install_gradient()
     with step_state.running(step):
-        yield step
+        try:
+            yield step
+        finally:
+            loss_terms.release_replica_losses()
 
 
 def _install_gradient():
