@@ -209,7 +209,8 @@ def _mean_update_state(self, values, sample_weight=None):
     num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
     if values.shape.rank != 0 or num_replicas == 1:
         return original(self, values, sample_weight)
-    value = tf.add_n([coefficient * _weighted_term(term, step, self.dtype) for coefficient, term in terms_of(values)])
+    terms = user_terms(values, step)
+    value = tf.add_n([coefficient * _weighted_term(term, step, self.dtype) for coefficient, term in terms])
     return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
 
 
@@ -322,11 +323,75 @@ def terms_of(value):
 
 
 def _weighted_term(term, step, dtype):
-    """`term` (a scalar tensor) times this replica's share: of its denominator (`ratio_share`), else of the examples."""
-    ratio = ratio_share(term, step)  # `sum(loss * mask) / sum(mask)`: by its share of the denominator.
-    counts = step.num_examples > 0 if ratio is None else tf.not_equal(ratio, 0)  # No tokens kept: 0 / 0.
-    value = tf.where(counts, tf.cast(term, dtype), tf.zeros([], dtype))
-    return value * tf.cast(ratio if ratio is not None else step.example_share(), dtype)
+    """`term` (a scalar tensor) times this replica's share of it (`term_share`); 0 where that share is 0 (0 / 0 there)."""
+    share, _ = term_share(term, step)
+    value = tf.where(tf.not_equal(share, 0), tf.cast(term, dtype), tf.zeros([], dtype))
+    return value * tf.cast(share, dtype)
+
+
+def term_share(term, step):
+    """`(share, own)`: this replica's share of a scalar `term` of a user's step; `own` unless it is the example share.
+
+    A ratio of sums counts by its share of the denominator (`ratio_share`); a
+    value computed from a tensor of the batch other than the one the examples
+    are counted from, and not from that one (the unlabelled half of a batch
+    zipping two datasets of other batch sizes), by its share of that tensor's
+    rows (`example_share_of`); anything else by the example share.
+    """
+    ratio = ratio_share(term, step)
+    if ratio is not None:
+        return ratio, True
+    index = _data_leaf_of(term, step)
+    if index is not None:
+        return step.leaf_share(index), True
+    return step.example_share(), False
+
+
+def user_terms(value, step):
+    """The terms a scalar `value` of a user's step counts by (`linear_terms`), where one has a share of its own; else `[(1.0, value)]`."""
+    terms = linear_terms(value)
+    if terms and any(term_share(term, step)[1] for _, term in terms):
+        return terms
+    return [(1.0, value)]
+
+
+def example_share_of(value, step):
+    """float32 scalar: the share of the rows `value` is computed from (`term_share` without ratios)."""
+    index = _data_leaf_of(value, step)
+    return step.example_share() if index is None else step.leaf_share(index)
+
+
+_ANCESTRY_LIMIT = 100_000  # Operations walked back from one value, at most.
+
+
+def _data_leaf_of(value, step):
+    """The index in `step.data_leaves` of the tensor of the batch `value` is computed from, or `None`.
+
+    `None` where that is the tensor the examples are counted from (or it is
+    one of several `value` is computed from), where `value` comes from none
+    (a weight penalty), or outside a user's step. Read from the graph when
+    traced (walking back from `value` to the batch's tensors), once per
+    value; eagerly, `None`.
+    """
+    leaves = step.data_leaves
+    if not leaves or step.example_leaf is None or step.leaf_counts is None or not hasattr(value, "op"):
+        return None
+    cached = step.leaves_of.get(id(value))
+    if cached is not None and cached[0] is value:
+        return cached[1]
+    indices = {t.name: i for i, t in enumerate(leaves)}
+    found, seen, pending = set(), set(), [value]
+    while pending and len(seen) < _ANCESTRY_LIMIT:
+        tensor = pending.pop()
+        if tensor.name in indices:
+            found.add(indices[tensor.name])
+            continue
+        if tensor.op.name not in seen:
+            seen.add(tensor.op.name)
+            pending.extend(tensor.op.inputs)
+    index = None if not found or step.example_leaf in found or pending else min(found)
+    step.leaves_of[id(value)] = (value, index)
+    return index
 
 
 def _recording_add_loss(self, loss):
@@ -887,14 +952,24 @@ def linear_ratio_terms(value):
     Returns:
         A list of `(float, scalar tensor)`, or `None`.
     """
-    if not tf.is_tensor(value) or value.shape.rank != 0 or not hasattr(value, "op"):
-        return None
-    terms = []
-    if not _linear_terms(value, 1.0, terms) or not any(ratio_of(t) is not None for _, t in terms):
+    terms = linear_terms(value)
+    if terms is None or not any(ratio_of(t) is not None for _, t in terms):
         return None
     if len(terms) == 1 and terms[0][0] == 1.0 and terms[0][1] is value:
         return None  # One ratio, read as it is.
     return terms
+
+
+def linear_terms(value):
+    """`[(coefficient, term), ...]` with `value = sum(coefficient x term)` (`linear_ratio_terms`' reading), or `None`.
+
+    `None` eagerly, for a value that is not a scalar tensor, or past
+    `_LINEAR_TERMS_MAX` terms.
+    """
+    if not tf.is_tensor(value) or value.shape.rank != 0 or not hasattr(value, "op"):
+        return None
+    terms = []
+    return terms if _linear_terms(value, 1.0, terms) else None
 
 
 def _linear_terms(tensor, coefficient, terms):

@@ -64,6 +64,13 @@ class ReplicaStep:
         ratio_shares: `id` of a loss value written as a ratio of sums ->
             `(value, share)`: this replica's share of the global batch's
             denominator (`loss_terms.ratio_share`), computed once per value.
+        data_leaves: The tensors of the step's batch (a user's step), in
+            `tree.flatten` order; `leaf_counts` / `global_leaf_counts` their
+            leading dimensions on this replica / summed over the replicas
+            (float32 vectors), where a batch zips inputs of different batch
+            sizes; `example_leaf` the index of the leaf the examples are
+            counted from. `leaves_of`: `id` of a value -> `(value, index)`
+            (`loss_terms.example_share_of`).
     """
 
     weighting: str
@@ -78,6 +85,15 @@ class ReplicaStep:
     weighted_in_backward: bool = False
     options: object = None
     ratio_shares: dict = dataclasses.field(default_factory=dict)
+    data_leaves: list = dataclasses.field(default_factory=list)
+    leaf_counts: object = None
+    global_leaf_counts: object = None
+    example_leaf: object = None
+    leaves_of: dict = dataclasses.field(default_factory=dict)
+
+    def leaf_share(self, index):
+        """float32 scalar: this replica's share of the global batch's rows of data leaf `index` (0 when none)."""
+        return tf.math.divide_no_nan(self.leaf_counts[index], self.global_leaf_counts[index])
 
     def example_share(self):
         """float32 scalar `num_examples / global_examples` (0 when the global batch is empty)."""

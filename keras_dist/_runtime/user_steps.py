@@ -71,15 +71,26 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
     """
     x, _, _ = ki.unpack_x_y_sample_weight(data)
     num_examples = steps.batch_size_of(x) if tree.flatten(x) else tf.constant(0)
+    # The leading dimension of every tensor of the batch rides in the same all-reduce: a batch may zip inputs of
+    # other batch sizes (keras.io's semi-supervised steps: a labelled and an unlabelled dataset), whose means
+    # count by their own rows (`loss_terms.example_share_of`).
+    leaves = [t for t in tree.flatten(data) if tf.is_tensor(t) and t.shape.rank]
+    first = next((t for t in tree.flatten(x) if t is not None), None)
+    rows = [tf.cast(tf.shape(t)[0], tf.float32) for t in leaves]
     count = tf.reshape(tf.cast(num_examples, tf.float32), [1])
+    summed = steps.sum_over_replicas(tf.concat([count, tf.stack(rows) if rows else tf.zeros([0])], 0), options)
     step = step_state.ReplicaStep(
         step_state.EXAMPLES,
         num_examples=num_examples,
-        global_examples=steps.sum_over_replicas(count, options)[0],
+        global_examples=summed[0],
         user_step=True,
         marks=marks.recorder() if marks is not None else None,
         tape_all_reduce=tape_all_reduce,
         options=options,
+        data_leaves=leaves,
+        leaf_counts=tf.stack(rows) if rows else None,
+        global_leaf_counts=summed[1:],
+        example_leaf=next((i for i, t in enumerate(leaves) if t is first), None),
     )
     if step.marks is not None:
         step.marks.stamp("batch", data)
@@ -145,27 +156,34 @@ def _tape_gradient(tape, target, sources, weights, *args, **kwargs):
 
 
 def _ratio_targets(target, step, *, weighted):
-    """`(targets, output_gradients)` that differentiate `target`, a sum of ratios of sums, each by its own share; or `None`.
+    """`(targets, output_gradients)` that differentiate a scalar `target` whose terms count by shares of their own; or `None`.
 
     keras.io's multi-task and captioning steps add masked ratios, each with
-    its own mask (`r1 + 0.5 * r2`, `loss_terms.linear_ratio_terms`): one
-    device's gradient is that of each global ratio, which each replica's
-    ratio gives weighted by its own denominator's share (`ratio_share`), not
-    by one share of the sum. Every other term counts by the example share.
-    `weighted`: the shares are applied here (`_backward_weights`); else
-    `apply` multiplies by the example share afterwards, and they are divided
-    by it here. `None` where `target` is not such a sum.
+    its own mask (`r1 + 0.5 * r2`, `loss_terms.linear_terms`): one device's
+    gradient is that of each global ratio, which each replica's ratio gives
+    weighted by its own denominator's share, not by one share of the sum.
+    A semi-supervised step zipping a labelled and an unlabelled dataset of
+    other batch sizes adds means over each: each counts by its share of its
+    own rows (`loss_terms.term_share`). Every other term counts by the
+    example share. `weighted`: the shares are applied here
+    (`_backward_weights`); else `apply` multiplies by the example share
+    afterwards, and they are divided by it here. `None` where no term has a
+    share of its own, or where `target` is one ratio (`_tape_gradient`).
     """
     if not tf.is_tensor(target) or not target.dtype.is_floating:
         return None
-    terms = loss_terms.linear_ratio_terms(target)
+    terms = loss_terms.linear_terms(target)
     if terms is None:
+        return None
+    shares = [loss_terms.term_share(term, step) for _, term in terms]
+    if not any(own for _, own in shares):
+        return None
+    if len(terms) == 1 and terms[0][0] == 1.0 and terms[0][1] is target and loss_terms.ratio_of(target) is not None:
         return None
     example_share = step.example_share()
     targets, output_gradients = [], []
-    for coefficient, term in terms:
-        share = loss_terms.ratio_share(term, step)
-        if share is None:
+    for (coefficient, term), (share, own) in zip(terms, shares):
+        if not own:
             share = example_share if weighted else tf.constant(1.0)
         elif not weighted:
             share = tf.math.divide_no_nan(share, example_share)

@@ -1157,3 +1157,62 @@ def test_a_ratio_returned_by_an_overridden_compute_loss(mirrored_1x2_cpu, token_
         y[4:8, :3] = 0  # The first batch's second half keeps none of the first ratio's tokens: 0 / 0 there.
         y[4:8, 4:] = 0
     _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8)
+
+
+class _SemiSupervisedStep:
+    """keras.io's semi-supervised steps: a batch zips a labelled and an unlabelled dataset of other batch sizes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.unlabelled_tracker = keras.metrics.Mean(name="unlabelled")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.unlabelled_tracker]
+
+    def train_step(self, data):
+        (x, y), unlabelled = data
+        with tf.GradientTape() as tape:
+            supervised = ops.mean(ops.square(self(x, training=True) - y))
+            consistency = ops.mean(ops.square(self(unlabelled, training=True)))
+            loss = supervised + 0.5 * consistency
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        self.loss_tracker.update_state(loss)
+        self.unlabelled_tracker.update_state(consistency)
+        return {m.name: m.result() for m in self.metrics}
+
+
+@pytest.mark.parametrize("accumulation", [None, 2], ids=["each_step", "accumulated"])
+def test_a_batch_zipping_two_batch_sizes(mirrored_1x2_cpu, accumulation):
+    """A new-user probe: the unlabelled mean counted by the labelled part's examples (weights 2.2e-2 off).
+
+    37 labelled rows in batches of 8 (the last, 5, splits 3/2) zipped with 40 unlabelled rows in
+    batches of 8 (even): each mean counts by its share of its own rows, the trackers too.
+    """
+    rs = np.random.RandomState(12)
+    x = rs.randn(37, 4).astype("float32")
+    y = (x @ rs.randn(4, 1)).astype("float32")
+    unlabelled = rs.randn(40, 4).astype("float32")
+    plain, distributed = _classes(_SemiSupervisedStep)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((4,))
+        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=accumulation))
+        return model
+
+    def train(model):
+        labelled = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        dataset = tf.data.Dataset.zip((labelled, tf.data.Dataset.from_tensor_slices(unlabelled).batch(8)))
+        return model.fit(dataset, epochs=2, verbose=0).history
+
+    assert_matches_single_device(
+        lambda cls, **kwargs: build(cls, kwargs),
+        strategy=mirrored_1x2_cpu,
+        train=train,
+        atol=1e-5,
+        rtol=0.0,
+        logs_atol=1e-7,
+        logs_rtol=RTOL,
+    )
