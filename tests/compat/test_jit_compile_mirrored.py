@@ -198,7 +198,10 @@ class _ReadsAfterUpdate(keras.layers.Layer):
     [
         (_GlobalCenter, "a collective cannot run inside it.*Fix: pass `jit_compile=False`"),
         (lambda: keras.layers.BatchNormalization(synchronized=True), "a collective cannot run inside it"),
-        (_ReadsAfterUpdate, r"read \['_*reads_after_update/variable(_\d+)?'\] after assigning it.*aggregation is 'mean'"),
+        (
+            _ReadsAfterUpdate,
+            r"read \['_*reads_after_update/variable(_\d+)?'\] after assigning it.*aggregation is 'mean'",
+        ),
     ],
 )
 def test_with_fix_what_xla_per_replica_cannot_do_is_refused_when_traced(mirrored_1x2_cpu, layer, match):
