@@ -379,7 +379,7 @@ def _data_leaf_of(value, step):
     cached = step.leaves_of.get(id(value))
     if cached is not None and cached[0] is value:
         return cached[1]
-    indices = {t.name: i for i, t in enumerate(leaves)}
+    indices = {t.name: i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor)}  # Not ragged or sparse ones.
     found, seen, pending = set(), set(), [value]
     while pending and len(seen) < _ANCESTRY_LIMIT:
         tensor = pending.pop()

@@ -1216,3 +1216,48 @@ def test_a_batch_zipping_two_batch_sizes(mirrored_1x2_cpu, accumulation):
         logs_atol=1e-7,
         logs_rtol=RTOL,
     )
+
+
+class _RaggedStep:
+    """A step of one's own on ragged batches: the batch's tensors are read for their rows, ragged ones too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dense = keras.layers.Dense(1)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def call(self, x):
+        return self.dense(tf.reduce_sum(x, axis=1, keepdims=True))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((self(x) - y) ** 2)
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def test_a_step_of_ones_own_on_ragged_batches(mirrored_1x2_cpu):
+    rs = np.random.RandomState(3)
+    rows = [rs.randn(rs.randint(1, 5)).astype("float32") for _ in range(37)]
+    y = np.array([r.sum() for r in rows], "float32")[:, None]
+    plain, distributed = _classes(_RaggedStep)
+
+    def build(cls, kwargs):
+        model = (plain if cls is keras.Model else distributed)(**kwargs)
+        model(tf.ragged.constant(rows[:2]))
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        return model
+
+    def train(model):
+        dataset = tf.data.Dataset.from_tensor_slices((tf.ragged.constant(rows), y)).batch(8)
+        return model.fit(dataset, epochs=2, verbose=0).history
+
+    assert_matches_single_device(
+        lambda cls, **kwargs: build(cls, kwargs), strategy=mirrored_1x2_cpu, train=train, atol=1e-5, rtol=0.0
+    )
