@@ -342,8 +342,8 @@ FIXES = {
             "Keras calls the train function once more; it fails for lack of data, but TensorFlow has already run "
             "the optimizer's iteration increment, which does not depend on the data: optimizer.iterations counts "
             "one step too many per epoch (2 epochs of 8 batches: 18), shifting Adam's bias correction.",
-            remedy="DistributedModel.fit counts the steps each epoch ran (steps_per_execution=1) and, at the epoch's "
-            "end, before any other callback, sets the counter back to at most what it read after the epoch's first "
+            remedy="DistributedModel.fit counts the steps each epoch ran (steps_per_execution=1) and, at the end of an "
+            "epoch that ran fewer steps than it expects, before any other callback, sets the counter back to at most what it read after the epoch's first "
             "step that moved it, plus that step's increments for each step after it (a step may apply the optimizer "
             "more than once; a LossScaleOptimizer skips steps without moving it).",
             checked_on=("3.10.0", "3.13.2", "3.15.1"),

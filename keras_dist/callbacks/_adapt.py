@@ -78,9 +78,11 @@ class ExactIterationCount(keras.callbacks.Callback):
     See docs/compat.md, `exhausted_input_iteration_count`. Counts the raw
     counter of the innermost optimizer (micro-batches under accumulation).
     Only with `steps_per_execution=1`, where Keras' last call of an epoch
-    is a plain `get_next` that can fail after the increment ran. Never sets
-    the counter below what it read after the epoch's first step that moved
-    it, plus one step's increments for each step after that one.
+    is a plain `get_next` that can fail after the increment ran, and only
+    for an epoch that ran fewer steps than it expects (its length unknown,
+    or a resumed epoch that skipped the steps done). Never sets the counter
+    below what it read after the epoch's first step that moved it, plus one
+    step's increments for each step after that one.
     """
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -102,6 +104,11 @@ class ExactIterationCount(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if (getattr(self.model, "steps_per_execution", 1) or 1) != 1 or self._per_step is None:
+            return
+        total = (self.params or {}).get("steps")
+        if total is not None and self._steps >= total:
+            # Every step the epoch expects ran: its end was not found by running out, no extra call ran (a probe:
+            # a `LossScaleOptimizer` applied twice per step, one apply skipped, was set back to 14 from 26).
             return
         # At most what the counter read last plus the steps after it, each moving it as the one read did.
         expected = self._last + (self._steps - self._counted_steps) * self._per_step

@@ -97,3 +97,38 @@ def test_with_fix_a_skipped_first_step_keeps_every_count(mirrored_1x2_cpu, unkno
     counts = [int(keras.ops.convert_to_numpy(m.optimizer.iterations)) for m in (reference, distributed)]
     assert counts[1] == counts[0] == 21, counts  # 3 epochs of 8 batches, the first of each skipped.
     assert max_weight_difference(reference, distributed) < 1e-5
+
+
+class _TwoAppliesLossScaled:
+    """Two scaled applies per step (a probe's step of its own); the first batch's first apply overflows and is skipped."""
+
+    def train_step(self, data):
+        x, y = data
+        for target in (y, keras.ops.minimum(y, 10.0)):
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.ops.square(self(x, training=True) - target))
+                scaled = self.optimizer.scale_loss(loss)
+            self.optimizer.apply_gradients(zip(tape.gradient(scaled, self.trainable_weights), self.trainable_weights))
+        return {"loss": loss}
+
+
+def test_with_fix_an_epoch_of_known_length_keeps_every_count(mirrored_1x2_cpu):
+    """An epoch that ran every step it expects made no extra call: the counter is left as it is (a new-user probe:
+    two applies per step, one skipped in each epoch's first step, were set back to 14 from 26)."""
+    y = Y.copy()
+    y[2] = 3e38
+
+    def train(cls, **kwargs):
+        inputs = keras.Input((3,))
+        model = type("M", (_TwoAppliesLossScaled, cls), {})(
+            inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs), **kwargs
+        )
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05), initial_scale=1.0)
+        model.compile(optimizer=optimizer)
+        model.fit(tf.data.Dataset.from_tensor_slices((X, y)).batch(8), epochs=2, verbose=0)
+        return model
+
+    reference, distributed = train(keras.Model), train(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
+    counts = [int(keras.ops.convert_to_numpy(m.optimizer.iterations)) for m in (reference, distributed)]
+    assert counts[1] == counts[0] == 30, counts  # 2 epochs of 8 steps, 2 applies each, one skipped per epoch.
+    assert max_weight_difference(reference, distributed) < 1e-5
