@@ -380,7 +380,12 @@ def _data_leaf_of(value, step):
     if cached is not None and cached[0] is value:
         return cached[1]
     indices = {t.name: i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor)}  # Not ragged or sparse ones.
-    found, seen, pending = set(), set(), [value]
+    # Not through keras-dist's own counts (`compute_loss` in a step of one's own is 0 where the batch's first
+    # tensor has no rows): read from that tensor, they would tie any value to it (a probe: `self.compute_loss`
+    # on the labelled part of a batch whose unlabelled part comes first, weights 7.3e-2 off).
+    counts = (step.num_examples, step.global_examples, step.leaf_counts, step.global_leaf_counts)
+    seen = {t.op.name for t in counts if isinstance(t, tf.Tensor) and hasattr(t, "op")}
+    found, pending = set(), [value]
     while pending and len(seen) < _ANCESTRY_LIMIT:
         tensor = pending.pop()
         if tensor.name in indices:

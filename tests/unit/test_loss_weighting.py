@@ -1171,40 +1171,62 @@ class _SemiSupervisedStep:
     def metrics(self):
         return [self.loss_tracker, self.unlabelled_tracker]
 
+    unlabelled_first = False
+
     def train_step(self, data):
+        if self.unlabelled_first:  # With Keras' own loss: `compute_loss` is 0 where the batch's first part is empty.
+            unlabelled, (x, y) = data
+            with tf.GradientTape() as tape:
+                supervised = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+                consistency = ops.mean(ops.square(self(unlabelled, training=True)))
+                loss = supervised + 0.5 * consistency
+            return self._apply_and_log(tape, loss, consistency)
         (x, y), unlabelled = data
         with tf.GradientTape() as tape:
             supervised = ops.mean(ops.square(self(x, training=True) - y))
             consistency = ops.mean(ops.square(self(unlabelled, training=True)))
             loss = supervised + 0.5 * consistency
+        return self._apply_and_log(tape, loss, consistency)
+
+    def _apply_and_log(self, tape, loss, consistency):
         self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
         self.loss_tracker.update_state(loss)
         self.unlabelled_tracker.update_state(consistency)
         return {m.name: m.result() for m in self.metrics}
 
 
-@pytest.mark.parametrize("accumulation", [None, 2], ids=["each_step", "accumulated"])
-def test_a_batch_zipping_two_batch_sizes(mirrored_1x2_cpu, accumulation):
+@pytest.mark.parametrize(
+    "accumulation, unlabelled_first",
+    [(None, False), (2, False), (None, True)],
+    ids=["each_step", "accumulated", "unlabelled_first_compute_loss"],
+)
+def test_a_batch_zipping_two_batch_sizes(mirrored_1x2_cpu, accumulation, unlabelled_first):
     """A new-user probe: the unlabelled mean counted by the labelled part's examples (weights 2.2e-2 off).
 
     37 labelled rows in batches of 8 (the last, 5, splits 3/2) zipped with 40 unlabelled rows in
-    batches of 8 (even): each mean counts by its share of its own rows, the trackers too.
+    batches of 8 (even): each mean counts by its share of its own rows, the trackers too. With the
+    unlabelled part first and `self.compute_loss` on the labelled one (another probe: 7.3e-2 off).
     """
     rs = np.random.RandomState(12)
     x = rs.randn(37, 4).astype("float32")
     y = (x @ rs.randn(4, 1)).astype("float32")
     unlabelled = rs.randn(40, 4).astype("float32")
     plain, distributed = _classes(_SemiSupervisedStep)
+    plain.unlabelled_first = distributed.unlabelled_first = unlabelled_first
 
     def build(cls, kwargs):
         inputs = keras.Input((4,))
         model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=accumulation))
+        optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=accumulation)
+        model.compile(optimizer=optimizer, loss="mse" if unlabelled_first else None)
         return model
 
     def train(model):
-        labelled = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-        dataset = tf.data.Dataset.zip((labelled, tf.data.Dataset.from_tensor_slices(unlabelled).batch(8)))
+        parts = [
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(8),
+            tf.data.Dataset.from_tensor_slices(unlabelled).batch(8),
+        ]
+        dataset = tf.data.Dataset.zip(tuple(parts[::-1] if unlabelled_first else parts))
         return model.fit(dataset, epochs=2, verbose=0).history
 
     assert_matches_single_device(
