@@ -347,7 +347,11 @@ def _ratio_divisor_of(loss, y_true, y_pred):
         return tf.stack([tf.stack(row) for row in rows])
 
     try:
-        rows = tf.function(traced, autograph=False)(y_true, y_pred).numpy()
+        # Traced for any batch size, as the step's graph reads it (a static batch dimension here made the kept
+        # entries of `boolean_mask`, of unknown length, look summed over another axis than the mask: a false alarm).
+        y_true, y_pred = tree.map_structure(tf.convert_to_tensor, (y_true, y_pred))
+        specs = tree.map_structure(lambda v: tf.TensorSpec([None, *v.shape[1:]], v.dtype), [y_true, y_pred])
+        rows = tf.function(traced, autograph=False, input_signature=specs)(y_true, y_pred).numpy()
     except Exception:  # noqa: BLE001  (a loss that cannot be traced here: taken for a mean over examples)
         return None
     if not any(ratio is not None for _, ratio in found) or len(found) != len(rows):

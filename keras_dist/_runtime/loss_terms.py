@@ -760,7 +760,8 @@ def ratio_of(value):
       divisor is `mean x entries`;
     - the mean of the entries a mask keeps (`tf.reduce_mean(tf.boolean_mask(loss, mask))`,
       `tf.gather_nd(loss, tf.where(mask))`: a `Mean` of every axis of a
-      gather whose indices come from `Where`), whose divisor is their count.
+      gather whose indices come from `Where`), whose divisor is their count;
+    - any of these times a scalar that is not a constant (`_weighted_ratio`).
 
     Args:
         value: A tensor (a scalar), or anything else (`None` then).
@@ -775,6 +776,8 @@ def ratio_of(value):
         count = tf.cast(tf.size(kept), tf.float32)
         return Ratio(None, None, count, count)
     op = _through(getattr(value, "op", None))
+    if op is not None and op.type == "Mul" and len(op.inputs) == 2:
+        return _weighted_ratio(op)
     if op is None or op.type not in _DIVISIONS or len(op.inputs) != 2:
         return None
     numerator, denominator = op.inputs
@@ -792,6 +795,25 @@ def ratio_of(value):
         return None  # Means over different numbers of entries: not the ratio of their sums.
     divisor = tf.cast(bare, tf.float32) * tf.cast(tf.size(bottom[1]), tf.float32)
     return Ratio(numerator, denominator, divisor, divisor)  # A shift of a mean: counted as the bare ratio.
+
+
+def _weighted_ratio(op):
+    """The `Ratio` of a product of a ratio and a scalar that is not a constant, without its two parts; else `None`.
+
+    A weight that changes during training (a ramp read from
+    `optimizer.iterations`, a `keras.Variable` a callback sets, a learned
+    uncertainty weight) times a masked ratio: the product counts by the
+    ratio's share, as the ratio does (a new-user probe: counted by examples,
+    8.0e-2 off). Products by a constant are read by `linear_terms` instead,
+    which keeps the ratio's two parts (a replica that kept nothing gives 0,
+    not NaN).
+    """
+    if any(t.shape.rank != 0 or _scalar_constant(t) is not None for t in op.inputs):
+        return None
+    ratios = [ratio_of(t) for t in op.inputs]
+    if sum(r is not None for r in ratios) != 1:
+        return None
+    return dataclasses.replace(next(r for r in ratios if r is not None), numerator=None, denominator=None)
 
 
 def _unshifted(tensor):

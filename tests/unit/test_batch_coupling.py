@@ -256,3 +256,23 @@ def test_verify_names_a_coupled_loss_as_the_cause_with_the_fix(mirrored_1x2_cpu)
     assert "'in_batch_softmax'" in report.explanation
     assert "keras_dist.global_batch(in_batch_softmax)" in report.explanation
     assert "batch_coupled_loss" in str(report)
+
+
+def test_a_ratio_of_the_kept_entries_sum_is_read_as_the_step_reads_it(mirrored_1x2_cpu):
+    """A probe's false alarm: `reduce_sum(boolean_mask(l, m)) / reduce_sum(m)` trained exactly, but the check, traced
+    for the first batch's static size, did not read it as a ratio and named it as coupling the batch."""
+
+    def kept_sum_ratio(y_true, y_pred):
+        mask = ops.cast(y_true != 0, "float32")
+        loss = keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+        return tf.reduce_sum(tf.boolean_mask(loss, mask > 0)) / tf.reduce_sum(mask)
+
+    inputs = keras.Input((6, 3))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(3)(inputs), strategy=mirrored_1x2_cpu)
+    model.compile(optimizer="sgd", loss=kept_sum_ratio)
+    tokens = RS.randn(8, 6, 3).astype("float32")
+    kept = np.array([6, 6, 5, 6, 1, 1, 2, 1])  # The first part keeps many more tokens than the second.
+    targets = np.where(np.arange(6)[None] < kept[:, None], 1 + (tokens.sum(-1) > 0), 0).astype("int32")
+    with batch_coupling.suppressed():  # Builds the compiled loss; no check.
+        model.evaluate(tokens, targets, batch_size=8, verbose=0)
+    assert batch_coupling.find_coupled(model, (tokens, targets, None), 2) == []

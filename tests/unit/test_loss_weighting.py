@@ -1026,7 +1026,14 @@ def _captioning_loss(y_true, y_pred):
     return batch_loss / 2.0
 
 
+def _kept_sum_ratio_loss(y_true, y_pred):
+    """The kept entries' sum over the mask's: compiled, the first-batch check took it for a coupled loss (a probe)."""
+    loss, mask = _token_terms(y_true, y_pred)
+    return tf.reduce_sum(tf.boolean_mask(loss, mask > 0)) / tf.reduce_sum(mask)
+
+
 _RATIO_FORMS = [
+    _kept_sum_ratio_loss,
     _eps_ratio_loss,
     _plus_one_ratio_loss,
     _floored_ratio_loss,
@@ -1283,3 +1290,33 @@ def test_a_step_of_ones_own_on_ragged_batches(mirrored_1x2_cpu):
     assert_matches_single_device(
         lambda cls, **kwargs: build(cls, kwargs), strategy=mirrored_1x2_cpu, train=train, atol=1e-5, rtol=0.0
     )
+
+
+class _RampedRatioStep(_TokenRatioStep):
+    """A consistency weight ramped up over the first steps (semi-supervised and VAE scripts), times a masked ratio."""
+
+    def token_loss(self, y_true, y_pred):
+        ramp = ops.minimum(1.0, ops.cast(self.optimizer.iterations + 1, "float32") / 5.0)
+        return ramp * _token_ratio_loss(y_true, y_pred)
+
+
+@pytest.mark.parametrize("written", ["own_step", "compiled"])
+def test_a_ratio_times_a_weight_that_changes(mirrored_1x2_cpu, written):
+    """A new-user probe: `ramp * ratio` counted by examples in a step of one's own (8.0e-2 off); compiled, with a
+    `keras.Variable` weight, it was taken for a loss coupling the batch. It counts by the ratio's denominator."""
+    plain, distributed = _classes(_RampedRatioStep)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((6, 3))
+        outputs = keras.layers.Dense(3)(inputs)
+        if written == "own_step":
+            model = (plain if cls is keras.Model else distributed)(inputs, outputs, **kwargs)
+            model.compile(optimizer=keras.optimizers.SGD(0.5))
+            return model
+        model = cls(inputs, outputs, **kwargs)
+        weight = keras.Variable(0.7, trainable=False)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=lambda t, p: weight * _token_ratio_loss(t, p))
+        return model
+
+    x, y = _padded_tokens(37)
+    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=written == "compiled")
