@@ -349,8 +349,9 @@ def _ratio_divisor_of(loss, y_true, y_pred):
     try:
         # Traced for any batch size, as the step's graph reads it (a static batch dimension here made the kept
         # entries of `boolean_mask`, of unknown length, look summed over another axis than the mask: a false alarm).
-        y_true, y_pred = tree.map_structure(tf.convert_to_tensor, (y_true, y_pred))
-        specs = tree.map_structure(lambda v: tf.TensorSpec([None, *v.shape[1:]], v.dtype), [y_true, y_pred])
+        pair = [y_true, y_pred]
+        dense = all(isinstance(v, (np.ndarray, tf.Tensor)) for v in tree.flatten(pair))
+        specs = tree.map_structure(lambda v: tf.TensorSpec([None, *np.shape(v)[1:]], v.dtype), pair) if dense else None
         rows = tf.function(traced, autograph=False, input_signature=specs)(y_true, y_pred).numpy()
     except Exception:  # noqa: BLE001  (a loss that cannot be traced here: taken for a mean over examples)
         return None
