@@ -785,8 +785,12 @@ def ratio_of(value):
         return None
     bare, shifts = _unshifted(denominator)
     top, bottom = _batch_reduction(numerator), _batch_reduction(bare)
-    if top is None or bottom is None or top[0] != bottom[0] or top[1].shape[0] != bottom[1].shape[0]:
-        return None  # Not both over the batch (a constant denominator, a sum over classes): left as it was.
+    if top is None or bottom is None or top[0] != bottom[0]:
+        return None  # Not both over the batch (a constant denominator): left as it was.
+    if top[1].shape[0] != bottom[1].shape[0] and not (top[0] == "Sum" and _kept_entries(top[1])):
+        # Not both over the batch (a sum over classes). The kept entries of a mask (`boolean_mask`) have their
+        # own count as leading dimension: unknown, where Keras 3.16 traces the mask's batch dimension as static.
+        return None
     if top[0] == "Sum":
         divisor = tf.cast(bare, tf.float32)
         return Ratio(numerator, denominator, divisor, tf.cast(denominator, tf.float32), shifts)
@@ -862,13 +866,18 @@ def _mean_of_kept(value):
     if op is None or op.type != "Mean" or value.shape.rank != 0 or not op.inputs:
         return None
     kept = op.inputs[0]
-    gather = _through(kept.op)
+    return kept if _kept_entries(kept) else None
+
+
+def _kept_entries(tensor):
+    """Whether `tensor` is the entries a mask keeps: a gather whose indices come from `Where` (`tf.boolean_mask`)."""
+    gather = _through(tensor.op)
     if gather is None or gather.type not in _GATHERS or len(gather.inputs) < 2:
-        return None
+        return False
     indices = gather.inputs[1].op
     while indices is not None and indices.type in _INDEX_PASS_THROUGH and indices.inputs:
         indices = indices.inputs[0].op
-    return kept if indices is not None and indices.type == "Where" else None
+    return indices is not None and indices.type == "Where"
 
 
 def ratio_parts(value):
