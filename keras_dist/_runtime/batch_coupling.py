@@ -213,7 +213,7 @@ def find_coupled(model, batch, num_parts):
         pair = _resolve(path, y, y_pred)
         if pair is None or getattr(type(loss), ON_GLOBAL_BATCH, False):
             continue
-        divisors = lambda t, p, _loss=loss: _ratio_divisor_of(_loss, t, p)  # noqa: E731
+        divisors = lambda t, p, _loss=loss: _ratio_terms_of(_loss, t, p)  # noqa: E731
         difference = _difference(lambda t, p, _loss=loss: _loss_values(_loss, t, p), *pair, sizes, divisors)
         if _couples_by_definition(loss):
             found.append(Coupled("loss", loss.name, _unwrapped(loss), difference or 0.0, by_definition=True))
@@ -319,7 +319,7 @@ def _parts(value, sizes):
     return [tree.map_structure(lambda v, a=a, b=b: v[a:b], value) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def _ratio_divisor_of(loss, y_true, y_pred):
+def _ratio_terms_of(loss, y_true, y_pred):
     """The parts of `loss`'s value on a part of the batch, where it holds ratios of sums; else `None`.
 
     A list of `(coefficient, value, divisor, weight, ratio)`, one per term of
@@ -363,7 +363,7 @@ def _ratio_divisor_of(loss, y_true, y_pred):
 def _combined(per_part, counts):
     """The parts' scalar values combined as the step weights them: each ratio by its denominator's share, the rest by examples.
 
-    `per_part`: `_ratio_divisor_of` of each part (the same terms on each);
+    `per_part`: `_ratio_terms_of` of each part (the same terms on each);
     `counts`: their examples. `None` where a ratio's global denominator is 0.
     """
     combined = 0.0
@@ -383,7 +383,7 @@ def _difference(values_of, y_true, y_pred, sizes, divisors_of=None):
     """The largest relative difference between whole-batch and per-part values, when over `RTOL`; else `None`.
 
     A scalar's parts combine weighted by their examples, or, where `divisors_of(y_true, y_pred)`
-    reads ratios of sums in every part's value (`_ratio_divisor_of`), each ratio by its share of
+    reads ratios of sums in every part's value (`_ratio_terms_of`), each ratio by its share of
     the global denominator and the rest by examples, as the step weights them.
     """
     try:

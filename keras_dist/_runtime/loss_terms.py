@@ -210,7 +210,7 @@ def _mean_update_state(self, values, sample_weight=None):
     if values.shape.rank != 0 or num_replicas == 1:
         return original(self, values, sample_weight)
     terms = user_terms(values, step)
-    value = tf.add_n([coefficient * _weighted_term(term, step, self.dtype) for coefficient, term in terms])
+    value = tf.add_n([c * _times_share(term, term_share(term, step)[0], self.dtype) for c, term in terms])
     return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
 
 
@@ -297,10 +297,15 @@ def _rebuilt(record, parts, dtype):
 def _part_value(record, part, shares, example_share, dtype):
     """`coefficient x term x share` of one part (`(coefficient, term, index)`): a ratio by its own share."""
     coefficient, term, index = part
-    share = example_share if index is None else shares[index]
-    value = term if index is None else record.terms[index].value
-    counts = tf.not_equal(share, 0)  # No examples, or no tokens kept: 0, not NaN.
-    return coefficient * tf.where(counts, tf.cast(value, dtype), tf.zeros([], dtype)) * tf.cast(share, dtype)
+    if index is None:
+        return coefficient * _times_share(term, example_share, dtype)
+    return coefficient * _times_share(record.terms[index].value, shares[index], dtype)
+
+
+def _times_share(value, share, dtype):
+    """`value x share` (scalars, as `dtype`); 0 where the share is 0 (no examples, no tokens kept: 0 / 0 there)."""
+    kept = tf.where(tf.not_equal(share, 0), tf.cast(value, dtype), tf.zeros([], dtype))
+    return kept * tf.cast(share, dtype)
 
 
 def update_own_trackers(record, example_share, shares, num_replicas):
@@ -322,13 +327,6 @@ def terms_of(value):
     return linear_ratio_terms(value) or [(1.0, value)]
 
 
-def _weighted_term(term, step, dtype):
-    """`term` (a scalar tensor) times this replica's share of it (`term_share`); 0 where that share is 0 (0 / 0 there)."""
-    share, _ = term_share(term, step)
-    value = tf.where(tf.not_equal(share, 0), tf.cast(term, dtype), tf.zeros([], dtype))
-    return value * tf.cast(share, dtype)
-
-
 def term_share(term, step):
     """`(share, own)`: this replica's share of a scalar `term` of a user's step; `own` unless it is the example share.
 
@@ -336,7 +334,7 @@ def term_share(term, step):
     value computed from a tensor of the batch other than the one the examples
     are counted from, and not from that one (the unlabelled half of a batch
     zipping two datasets of other batch sizes), by its share of that tensor's
-    rows (`example_share_of`); anything else by the example share.
+    rows (`_data_leaf_of`); anything else by the example share.
     """
     ratio = ratio_share(term, step)
     if ratio is not None:
@@ -353,12 +351,6 @@ def user_terms(value, step):
     if terms and any(term_share(term, step)[1] for _, term in terms):
         return terms
     return [(1.0, value)]
-
-
-def example_share_of(value, step):
-    """float32 scalar: the share of the rows `value` is computed from (`term_share` without ratios)."""
-    index = _data_leaf_of(value, step)
-    return step.example_share() if index is None else step.leaf_share(index)
 
 
 _ANCESTRY_LIMIT = 100_000  # Operations walked back from one value, at most.
@@ -675,28 +667,6 @@ _PASS_THROUGH = ("Identity", "Cast")
 _DIVISIONS = ("RealDiv", "Div", "DivNoNan", "TrueDiv")
 
 
-def ratio_divisor(value):
-    """The denominator of a scalar loss written as a ratio of two sums (`sum(loss * mask) / sum(mask)`), or `None`.
-
-    TensorFlow's transformer tutorial and many public scripts divide a masked
-    loss by the number of tokens they kept themselves. One device divides the
-    global batch's sum by the global batch's tokens; a replica's ratio counts
-    in that by its share of the tokens (the denominator), not of the examples.
-    Read from the graph when traced (`ratio_of`). Eagerly
-    (`run_eagerly=True`) there is no graph, and the value is taken for a mean
-    over examples, as before.
-
-    Args:
-        value: A tensor, the loss value (a scalar).
-
-    Returns:
-        float32 scalar tensor (this replica's bare sum in the denominator:
-        tokens kept, weights' sum), or `None`.
-    """
-    ratio = ratio_of(value)
-    return None if ratio is None else ratio.divisor
-
-
 @dataclasses.dataclass(frozen=True)
 class Ratio:
     """A scalar loss written as a ratio of sums over the batch, as read from its graph (`ratio_of`).
@@ -748,7 +718,12 @@ _REDUCTIONS = ("Sum", "Mean")
 def ratio_of(value):
     """The `Ratio` a scalar loss is written as, or `None`.
 
-    Read from the graph when traced:
+    TensorFlow's transformer tutorial and many public scripts divide a masked
+    loss by the number of tokens they kept themselves. One device divides the
+    global batch's sum by the global batch's tokens; a replica's ratio counts
+    in that by its share of the tokens (the denominator), not of the examples.
+    Eagerly (`run_eagerly=True`) there is no graph, and the value is taken for
+    a mean over examples. Read from the graph when traced:
     - a division (`RealDiv`, `DivNoNan`) of two scalars, each a `Sum`
       reduction of a tensor with a batch dimension (through `Cast`s and
       `Identity`s; the two tensors' leading dimensions agree, unknown when

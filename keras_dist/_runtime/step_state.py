@@ -70,7 +70,7 @@ class ReplicaStep:
             (float32 vectors), where a batch zips inputs of different batch
             sizes; `example_leaf` the index of the leaf the examples are
             counted from. `leaves_of`: `id` of a value -> `(value, index)`
-            (`loss_terms.example_share_of`).
+            (`loss_terms.term_share`).
     """
 
     weighting: str

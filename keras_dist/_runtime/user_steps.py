@@ -73,12 +73,12 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
     num_examples = steps.batch_size_of(x) if tree.flatten(x) else tf.constant(0)
     # The leading dimension of every tensor of the batch rides in the same all-reduce: a batch may zip inputs of
     # other batch sizes (keras.io's semi-supervised steps: a labelled and an unlabelled dataset), whose means
-    # count by their own rows (`loss_terms.example_share_of`).
+    # count by their own rows (`loss_terms.term_share`).
     leaves = [t for t in tree.flatten(data) if tf.is_tensor(t) and t.shape.rank]
     first = next((t for t in tree.flatten(x) if t is not None), None)
-    rows = [tf.cast(tf.shape(t)[0], tf.float32) for t in leaves]
+    rows = tf.stack([tf.cast(tf.shape(t)[0], tf.float32) for t in leaves]) if leaves else None
     count = tf.reshape(tf.cast(num_examples, tf.float32), [1])
-    summed = steps.sum_over_replicas(tf.concat([count, tf.stack(rows) if rows else tf.zeros([0])], 0), options)
+    summed = steps.sum_over_replicas(tf.concat([count, rows if leaves else tf.zeros([0])], 0), options)
     step = step_state.ReplicaStep(
         step_state.EXAMPLES,
         num_examples=num_examples,
@@ -88,7 +88,7 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
         tape_all_reduce=tape_all_reduce,
         options=options,
         data_leaves=leaves,
-        leaf_counts=tf.stack(rows) if rows else None,
+        leaf_counts=rows,
         global_leaf_counts=summed[1:],
         example_leaf=next((i for i, t in enumerate(leaves) if t is first), None),
     )
@@ -122,10 +122,10 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
     # The user's own persistent tape, asked inside its `with` block, records still: not another tape.
     with _paused(self):
         weights = _backward_weights(target, step)
-        ratios = _ratio_targets(target, step, weighted=weights is not None)
+        ratios = _share_targets(target, step, weighted=weights is not None)
     step.weighted_in_backward = weights is not None
     try:
-        if ratios is not None:  # A sum of ratios of sums: each by its own denominator's share.
+        if ratios is not None:  # Terms with shares of their own (ratios, other parts of the batch): each by its own.
             gradients = loss_terms.TAPE_GRADIENT(self, ratios[0], sources, ratios[1], *args, **kwargs)
         else:
             gradients = _tape_gradient(self, target, sources, weights, *args, **kwargs)
@@ -155,7 +155,7 @@ def _tape_gradient(tape, target, sources, weights, *args, **kwargs):
     return loss_terms.TAPE_GRADIENT(tape, target, sources, weights, *args, **kwargs)
 
 
-def _ratio_targets(target, step, *, weighted):
+def _share_targets(target, step, *, weighted):
     """`(targets, output_gradients)` that differentiate a scalar `target` whose terms count by shares of their own; or `None`.
 
     keras.io's multi-task and captioning steps add masked ratios, each with

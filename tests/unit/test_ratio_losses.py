@@ -1,4 +1,4 @@
-"""`loss_terms.ratio_divisor`: which scalar losses count by their own denominator (a ratio of two batch sums)."""
+"""`loss_terms.ratio_of`: which scalar losses count by their own denominator (a ratio of two batch sums)."""
 
 import numpy as np
 import pytest
@@ -54,8 +54,8 @@ def _mean_of_gathered(loss, mask):
 def test_ratio_divisor_is_the_denominator_of_two_batch_sums(written, expected):
     @tf.function(input_signature=SPEC)
     def divisor(loss, mask):
-        found = loss_terms.ratio_divisor(written(loss, mask))
-        return tf.constant(-1.0) if found is None else found
+        found = loss_terms.ratio_of(written(loss, mask))
+        return tf.constant(-1.0) if found is None else found.divisor
 
     mask = np.array([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0]], "float32")
     got = float(divisor(tf.ones([2, 6]), tf.constant(mask)))
@@ -63,7 +63,7 @@ def test_ratio_divisor_is_the_denominator_of_two_batch_sums(written, expected):
 
 
 def test_eagerly_there_is_no_graph_to_read():
-    assert loss_terms.ratio_divisor(_token_ratio(tf.ones([2, 6]), tf.ones([2, 6]))) is None
+    assert loss_terms.ratio_of(_token_ratio(tf.ones([2, 6]), tf.ones([2, 6]))) is None
 
 
 @pytest.mark.parametrize("kept", [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]], ids=["some", "none"])
