@@ -42,6 +42,7 @@ import sys
 import threading
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from keras import ops, tree
 from keras.src.layers import layer as keras_layer
@@ -294,12 +295,41 @@ def _rebuilt(record, parts, dtype):
     return tf.add_n([tf.cast(c * tf.cast(v, dtype), dtype) for (c, _, _), v in zip(parts, values)])
 
 
-def _part_value(record, part, shares, example_share, dtype):
-    """`coefficient x term x share` of one part (`(coefficient, term, index)`): a ratio by its own share."""
+def _part_value(record, part, shares, example_share, dtype, *, through_terms=False):
+    """`coefficient x term x share` of one part (`(coefficient, term, index)`): a ratio by its own share.
+
+    With `through_terms`, a part that is not a ratio itself but is computed
+    from terms the record holds (a tracker of `super().compute_loss(...)`'s
+    result: the compiled loss's masked mean) counts each such term by that
+    term's share, the rest by the examples (`_by_recorded_shares`).
+    """
     coefficient, term, index = part
     if index is None:
+        if through_terms:
+            return coefficient * _by_recorded_shares(record, term, example_share, shares, dtype)
         return coefficient * _times_share(term, example_share, dtype)
     return coefficient * _times_share(record.terms[index].value, shares[index], dtype)
+
+
+def _by_recorded_shares(record, value, example_share, shares, dtype):
+    """This replica's part of scalar `value`'s global value: `example_share x value`, each recorded term by its share.
+
+    `value` is linear in the record's terms (as a loss is in its terms):
+    `(share_i - example_share) x d value / d term_i x term_i` is added for
+    each term not weighted by examples, as `global_surrogate` weights the
+    loss. Summed over the replicas it is the global batch's value. A part
+    whose share is 0 (no examples, no kept entries) adds 0, not 0 x NaN.
+    """
+    adjust = [(i, t) for i, t in enumerate(record.terms) if not t.weighted_by_examples]
+    result = _times_share(value, example_share, dtype)
+    if not adjust or record.tape is None:
+        return result
+    zero = tf.UnconnectedGradients.ZERO
+    weights = TAPE_GRADIENT(record.tape, value, [t.value for _, t in adjust], unconnected_gradients=zero)
+    for (i, term), weight in zip(adjust, weights):
+        weighted = tf.reduce_sum(tf.stop_gradient(tf.cast(weight, dtype)) * tf.cast(term.value, dtype))
+        result += _times_share(weighted, shares[i], dtype) - _times_share(weighted, example_share, dtype)
+    return result
 
 
 def _times_share(value, share, dtype):
@@ -312,12 +342,17 @@ def update_own_trackers(record, example_share, shares, num_replicas):
     """Gives each `OwnTrackerUpdate` this batch's global value: `total += share-weighted value`, `count += 1 / replicas`.
 
     Each term counts by its share (a ratio's of its denominator, every other
-    term's of the examples); summed over the replicas the tracker gains the
-    global batch's value and a count of one, as on one device.
+    term's of the examples; a value computed from the compiled loss's terms,
+    such as `super().compute_loss(...)`'s result, by those terms' shares);
+    summed over the replicas the tracker gains the global batch's value and a
+    count of one, as on one device (the compiled masked loss's tracker was
+    4.3e-2 off, counted by examples, before).
     """
     for update in record.own_trackers:
         dtype = update.tracker.total.dtype
-        value = tf.add_n([_part_value(record, part, shares, example_share, dtype) for part in update.terms])
+        value = tf.add_n(
+            [_part_value(record, part, shares, example_share, dtype, through_terms=True) for part in update.terms]
+        )
         update.tracker.total.assign(update.total + value)
         update.tracker.count.assign(update.count + tf.cast(1.0 / num_replicas, update.tracker.count.dtype))
 
@@ -334,7 +369,9 @@ def term_share(term, step):
     value computed from a tensor of the batch other than the one the examples
     are counted from, and not from that one (the unlabelled half of a batch
     zipping two datasets of other batch sizes), by its share of that tensor's
-    rows (`_data_leaf_of`); anything else by the example share.
+    rows (`_data_leaf_of`); a value over the rows of several such tensors
+    concatenated (one forward pass over both parts) by their rows together;
+    anything else by the example share.
     """
     ratio = ratio_share(term, step)
     if ratio is not None:
@@ -376,8 +413,24 @@ def _data_leaf_of(value, step):
     # tensor has no rows): read from that tensor, they would tie any value to it (a probe: `self.compute_loss`
     # on the labelled part of a batch whose unlabelled part comes first, weights 7.3e-2 off).
     counts = (step.num_examples, step.global_examples, step.leaf_counts, step.global_leaf_counts)
-    seen = {t.op.name for t in counts if isinstance(t, tf.Tensor) and hasattr(t, "op")}
-    found, pending = set(), [value]
+    skipped = {t.op.name for t in counts if isinstance(t, tf.Tensor) and hasattr(t, "op")}
+    joined = _joined_leaves(value, indices, skipped)
+    if joined is not None:
+        step.leaves_of[id(value)] = (value, joined)
+        return joined
+    found, complete = _leaves_above(value, indices, skipped)
+    index = None if not found or step.example_leaf in found or not complete else min(found)
+    step.leaves_of[id(value)] = (value, index)
+    return index
+
+
+def _leaves_above(value, indices, skipped):
+    """`(found, complete)`: the indices (`indices`: tensor name -> index) of the leaves `value` is computed from.
+
+    Walks the traced graph back from `value`, not through the operations named
+    in `skipped`; `complete` is False where it stopped at `_ANCESTRY_LIMIT`.
+    """
+    seen, found, pending = set(skipped), set(), [value]
     while pending and len(seen) < _ANCESTRY_LIMIT:
         tensor = pending.pop()
         if tensor.name in indices:
@@ -386,9 +439,99 @@ def _data_leaf_of(value, step):
         if tensor.op.name not in seen:
             seen.add(tensor.op.name)
             pending.extend(tensor.op.inputs)
-    index = None if not found or step.example_leaf in found or pending else min(found)
-    step.leaves_of[id(value)] = (value, index)
-    return index
+    return found, not pending
+
+
+_CONCATENATIONS = {"ConcatV2": -1, "Concat": 0}  # Operation type -> the position of its `axis` input.
+
+
+def _joined_leaves(value, indices, skipped):
+    """The tuple of leaves whose rows `value` is computed over, joined by one concatenation along the rows; or `None`.
+
+    A new-user probe: a step running one forward pass over
+    `concatenate([labelled, unlabelled])` and taking the mean of all its rows
+    counted that mean by the labelled part's rows (weights 7e-3 off on an
+    uneven last batch). Found by walking back from `value` only through
+    operations that keep every row (`_row_keeping_inputs`) to a
+    concatenation along axis 0 whose inputs come from one leaf each, from at
+    least two leaves. A value taking some rows back out (`both[:n]`, `split`)
+    is not joined: it is read as before (`_leaves_above`).
+    """
+    seen, joined, pending = set(skipped), set(), [value]
+    while pending and len(seen) < _ANCESTRY_LIMIT:
+        tensor = pending.pop()
+        op = tensor.op
+        if tensor.name in indices or op.name in seen:
+            continue
+        seen.add(op.name)
+        parts = _row_concatenation_parts(op)
+        if parts is not None:
+            leaves = [_leaves_above(part, indices, skipped) for part in parts]
+            if all(complete and len(found) == 1 for found, complete in leaves):
+                union = tuple(sorted(set().union(*(found for found, _ in leaves))))
+                if len(union) > 1:
+                    joined.add(union)
+                    continue
+        pending.extend(_row_keeping_inputs(op))
+    if pending or len(joined) != 1:
+        return None
+    return joined.pop()
+
+
+def _row_concatenation_parts(op):
+    """The tensors `op` concatenates along axis 0 (the rows), or `None`."""
+    position = _CONCATENATIONS.get(op.type)
+    if position is None:
+        return None
+    inputs = list(op.inputs)
+    axis = tf.get_static_value(inputs[position])
+    parts = inputs[:-1] if position == -1 else inputs[1:]
+    rank = parts[0].shape.rank if parts else None
+    if axis is None or np.ndim(axis) != 0 or rank is None or int(axis) % max(rank, 1) != 0:
+        return None
+    return parts
+
+
+def _row_keeping_inputs(op):
+    """The inputs of `op` whose every row (leading index) reaches its output: all, except where `op` picks rows.
+
+    A slice or split along the rows, a gather along them (only its indices'
+    rows reach the output) or a boolean mask picks rows: those inputs are
+    left out.
+    """
+    inputs = list(op.inputs)
+    if op.type in ("Split", "SplitV", "Unpack", "DynamicPartition"):
+        return []
+    if op.type == "StridedSlice":
+        return inputs[:1] if _strided_slice_keeps_rows(op) else []
+    if op.type == "Slice":
+        begin, size = tf.get_static_value(inputs[1]), tf.get_static_value(inputs[2])
+        keeps = begin is not None and size is not None and len(begin) and begin[0] == 0 and size[0] == -1
+        return inputs[:1] if keeps else []
+    if op.type in ("GatherV2", "ResourceGather", "Gather"):
+        axis = tf.get_static_value(inputs[2]) if op.type == "GatherV2" else 0
+        if axis is not None and int(axis) != 0:
+            return inputs
+        return inputs[1:2]  # The rows of the indices (an embedding lookup's ids), not of the table.
+    return inputs
+
+
+def _strided_slice_keeps_rows(op):
+    """Whether a `StridedSlice` keeps every row of its input (`x[:, 0]`, `x[..., :3]`), not `x[:n]` or `x[0]`."""
+    try:
+        begin_mask, end_mask = op.get_attr("begin_mask"), op.get_attr("end_mask")
+        ellipsis_mask, shrink_mask = op.get_attr("ellipsis_mask"), op.get_attr("shrink_axis_mask")
+        new_axis_mask = op.get_attr("new_axis_mask")
+    except ValueError:
+        return False
+    if ellipsis_mask & 1:
+        return True
+    if shrink_mask & 1 or new_axis_mask & 1:
+        return False
+    begin, strides = tf.get_static_value(op.inputs[1]), tf.get_static_value(op.inputs[3])
+    if begin is None or strides is None or not len(begin):
+        return False
+    return bool((begin_mask & 1 or begin[0] == 0) and end_mask & 1 and strides[0] == 1)
 
 
 def _recording_add_loss(self, loss):

@@ -70,7 +70,8 @@ class ReplicaStep:
             (float32 vectors), where a batch zips inputs of different batch
             sizes; `example_leaf` the index of the leaf the examples are
             counted from. `leaves_of`: `id` of a value -> `(value, index)`
-            (`loss_terms.term_share`).
+            (`loss_terms.term_share`; `index` a tuple where the value joins
+            several leaves' rows).
     """
 
     weighting: str
@@ -92,7 +93,14 @@ class ReplicaStep:
     leaves_of: dict = dataclasses.field(default_factory=dict)
 
     def leaf_share(self, index):
-        """float32 scalar: this replica's share of the global batch's rows of data leaf `index` (0 when none)."""
+        """float32 scalar: this replica's share of the global batch's rows of data leaf `index` (0 when none).
+
+        `index` may be a tuple of leaves whose rows a value joins (a
+        concatenation of the batch's parts): the share of their rows together.
+        """
+        if isinstance(index, tuple):
+            rows = tf.add_n([self.leaf_counts[i] for i in index])
+            return tf.math.divide_no_nan(rows, tf.add_n([self.global_leaf_counts[i] for i in index]))
         return tf.math.divide_no_nan(self.leaf_counts[index], self.global_leaf_counts[index])
 
     def example_share(self):

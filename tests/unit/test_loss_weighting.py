@@ -1166,6 +1166,46 @@ def test_a_ratio_returned_by_an_overridden_compute_loss(mirrored_1x2_cpu, token_
     _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8)
 
 
+class _SuperComputeLossTracker:
+    """The override tracks Keras' own `compute_loss`: the compiled masked loss, plus an `add_loss` in the model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.own_tracker = keras.metrics.Mean(name="own_loss")
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+        self.own_tracker.update_state(loss)
+        return loss
+
+    @property
+    def metrics(self):
+        return [*super().metrics, self.own_tracker]
+
+
+@pytest.mark.parametrize("regularized", [False, True], ids=["compiled_only", "with_a_regularizer"])
+def test_a_tracker_of_keras_compute_loss_in_an_override(mirrored_1x3_cpu, regularized):
+    """A new-user probe's form: the tracker of `super().compute_loss(...)` with a masked compiled loss.
+
+    The weights matched; the tracker counted each replica's kept-token mean by its examples
+    (4.3e-2 off on a token model). 37 sequences in batches of 8 on 3 replicas.
+    """
+    plain, distributed = _classes(_SuperComputeLossTracker)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((6, 3))
+        regularizer = keras.regularizers.L2(0.01) if regularized else None
+        outputs = keras.layers.Dense(3, kernel_regularizer=regularizer)(inputs)
+        model = (plain if cls is keras.Model else distributed)(inputs, outputs, **kwargs)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+        return model
+
+    x, y = _padded_tokens(37)
+    y[:8:2, 1:] = 0  # Uneven kept tokens between the first batch's parts.
+    _train_both(mirrored_1x3_cpu, build, x, y, batch_size=8)
+
+
 class _SemiSupervisedStep:
     """keras.io's semi-supervised steps: a batch zips a labelled and an unlabelled dataset of other batch sizes."""
 
@@ -1179,8 +1219,18 @@ class _SemiSupervisedStep:
         return [self.loss_tracker, self.unlabelled_tracker]
 
     unlabelled_first = False
+    concatenated = False
+    unlabelled_rows_only = False
 
     def train_step(self, data):
+        if self.concatenated:  # One forward pass over both parts' rows (as FixMatch runs it).
+            (x, y), unlabelled = data
+            with tf.GradientTape() as tape:
+                both = self(ops.concatenate([x, unlabelled], axis=0), training=True)
+                supervised = ops.mean(ops.square(both[: ops.shape(x)[0]] - y))  # The labelled rows only.
+                consistency = ops.mean(ops.square(both[ops.shape(x)[0] :] if self.unlabelled_rows_only else both))
+                loss = supervised + 0.5 * consistency
+            return self._apply_and_log(tape, loss, consistency)
         if self.unlabelled_first:  # With Keras' own loss: `compute_loss` is 0 where the batch's first part is empty.
             unlabelled, (x, y) = data
             with tf.GradientTape() as tape:
@@ -1203,16 +1253,32 @@ class _SemiSupervisedStep:
 
 
 @pytest.mark.parametrize(
-    "accumulation, unlabelled_first",
-    [(None, False), (2, False), (None, True)],
-    ids=["each_step", "accumulated", "unlabelled_first_compute_loss"],
+    "accumulation, unlabelled_first, concatenated",
+    [
+        (None, False, None),
+        (2, False, None),
+        (None, True, None),
+        (None, False, "all_rows"),
+        pytest.param(
+            None,
+            False,
+            "unlabelled_rows",
+            marks=pytest.mark.xfail(
+                strict=True, reason="rows sliced back out of a concatenation count by the examples (docs/numerics.md)"
+            ),
+        ),
+    ],
+    ids=["each_step", "accumulated", "unlabelled_first_compute_loss", "concatenated", "concatenated_sliced"],
 )
-def test_a_batch_zipping_two_batch_sizes(mirrored_1x2_cpu, accumulation, unlabelled_first):
+def test_a_batch_zipping_two_batch_sizes(mirrored_1x2_cpu, accumulation, unlabelled_first, concatenated):
     """A new-user probe: the unlabelled mean counted by the labelled part's examples (weights 2.2e-2 off).
 
     37 labelled rows in batches of 8 (the last, 5, splits 3/2) zipped with 40 unlabelled rows in
     batches of 8 (even): each mean counts by its share of its own rows, the trackers too. With the
     unlabelled part first and `self.compute_loss` on the labelled one (another probe: 7.3e-2 off).
+    One forward pass over both parts concatenated: the mean over all its rows counts by both
+    parts' rows (7e-3 off before), the labelled rows sliced back out by the labelled part's; the
+    unlabelled rows sliced out (`both[n:]`) still count by the examples (1.9e-2 off, strict xfail).
     """
     rs = np.random.RandomState(12)
     x = rs.randn(37, 4).astype("float32")
@@ -1220,6 +1286,8 @@ def test_a_batch_zipping_two_batch_sizes(mirrored_1x2_cpu, accumulation, unlabel
     unlabelled = rs.randn(40, 4).astype("float32")
     plain, distributed = _classes(_SemiSupervisedStep)
     plain.unlabelled_first = distributed.unlabelled_first = unlabelled_first
+    plain.concatenated = distributed.concatenated = concatenated
+    plain.unlabelled_rows_only = distributed.unlabelled_rows_only = concatenated == "unlabelled_rows"
 
     def build(cls, kwargs):
         inputs = keras.Input((4,))
