@@ -18,6 +18,7 @@ program still runs unchanged on one device. Docs: `docs/global_batch_losses.md`.
 from typing import Any
 
 from keras_dist._runtime import gather as _gather
+from keras_dist._runtime import global_batch as _global_batch
 
 
 def all_gather(values: Any, axis: int = 0) -> Any:
@@ -70,9 +71,44 @@ def global_batch_offset(values: Any) -> Any:
     return _gather.global_batch_offset(values)
 
 
+def batch_mean(values: Any) -> Any:
+    """The mean of `values` over the global batch's examples (axis 0), on every replica; differentiable.
+
+    For a loss a layer adds from statistics over the batch, such as a
+    mixture-of-experts load-balancing loss (keras.io's Switch Transformer:
+    `mean(router_probs, axis=0) * mean(expert_mask, axis=0)`): each replica
+    computing them over its own examples (as PyTorch DDP and tf.keras do)
+    adds another loss than one device, and trains elsewhere. Write
+    `keras_dist.ops.batch_mean(router_probs)` where the layer wrote
+    `ops.mean(router_probs, axis=0)`; keras-dist counts the scalar the layer
+    adds once over the replicas, so the weights are one device's.
+
+    Args:
+        values: A float tensor `(n_r, ...)` on replica r (uneven and empty
+            parts allowed); every replica calls it with the same trailing
+            dimensions and dtype.
+
+    Returns:
+        A tensor `(...)` of `values`' dtype: the sum of every replica's rows
+        over the global batch's row count; `ops.mean(values, axis=0)` on one
+        replica or outside any strategy's replica context (0 where the global
+        batch is empty).
+
+    Gradient: each replica's rows receive the gradient of every replica's use
+    of the mean (the all-reduce's gradient is the all-reduce of the
+    gradients), as one device's rows receive it.
+
+    Communication: one all-reduce of the trailing dimensions' values and a
+    count per call, in the forward pass, and one of their gradients in the
+    backward pass. Under `compile(jit_compile=True)` with several replicas
+    keras-dist refuses a collective in `call` (XLA compiles each replica alone).
+    """
+    return _global_batch.batch_mean(values)
+
+
 def num_replicas() -> int:
     """Python int: the replicas the global batch is split over (1 on one device and outside any strategy)."""
     return _gather.num_replicas()
 
 
-__all__ = ["all_gather", "global_batch_offset", "num_replicas"]
+__all__ = ["all_gather", "batch_mean", "global_batch_offset", "num_replicas"]

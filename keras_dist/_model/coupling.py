@@ -63,6 +63,26 @@ def check_once(model, *, own_step):
 def message(coupled, num_replicas):
     """The warning for one `batch_coupling.Coupled`: what was seen, why it matters, the fix."""
     difference = "other shapes" if coupled.difference == float("inf") else f"{coupled.difference:.2g}"
+    if coupled.kind == "added loss" and coupled.summed:
+        return (
+            f"The loss that layer {coupled.name!r} adds with `add_loss` is one number that is a sum over the batch "
+            f"(on the first global batch the {num_replicas} replicas' values add up to the whole batch's): keras-dist "
+            "takes a number added so for a mean over the examples (as Keras' activity regularizers are) and counts "
+            "each replica's by its share of the examples, so this loss counts "
+            f"{num_replicas} times less than on one device (largest relative difference: {difference}). Fix: add "
+            "the per-example values instead (`self.add_loss(values)` with the batch as their first dimension: "
+            "Keras sums them, and keras-dist counts them as a sum, exactly), or add their mean and scale the "
+            "factor (docs/numerics.md)."
+        )
+    if coupled.kind == "added loss":
+        return (
+            f"The loss that layer {coupled.name!r} adds with `add_loss` couples the examples of a batch: on the first "
+            f"global batch its value differs from the {num_replicas} replicas' values on their parts, combined as "
+            f"keras-dist combines them (largest relative difference: {difference}). It is a function of statistics "
+            "over the batch (a mixture-of-experts load-balancing loss, `mean(p, axis=0) * mean(mask, axis=0)`), "
+            "which each replica computes over its own examples only (as PyTorch DDP and tf.keras do), so training "
+            f"differs from one device's. Fix: {fix(coupled)} (docs/global_batch_losses.md)."
+        )
     if coupled.by_definition:
         seen = (
             f"The compiled {coupled.kind} {coupled.name!r} couples the examples of a batch: Keras computes it over "
@@ -89,6 +109,13 @@ def message(coupled, num_replicas):
 def fix(coupled):
     """The line to write instead, e.g. "compile(loss=keras_dist.global_batch(in_batch_softmax))"."""
     wrapped = coupled.wrapped
+    if coupled.kind == "added loss" and coupled.summed:
+        return "add the per-example values (`self.add_loss(values)`, the batch as their first dimension) or their mean"
+    if coupled.kind == "added loss":
+        return (
+            "compute the batch statistics in that layer's `call` with `keras_dist.ops.batch_mean(values)` instead of "
+            "`ops.mean(values, axis=0)`: the mean over the global batch on every replica"
+        )
     if coupled.kind == "loss":
         what = getattr(wrapped, "__name__", None) or f"keras.losses.{type(wrapped).__name__}(...)"
         return f"compile(loss=keras_dist.global_batch({what}))"

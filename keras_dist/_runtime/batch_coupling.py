@@ -32,6 +32,7 @@ stateless transformations (no shuffle, no file reading, no random op in a
 
 import contextlib
 import dataclasses
+import threading
 
 import keras
 import numpy as np
@@ -114,15 +115,17 @@ _SAFE_DATASETS = {
 
 @dataclasses.dataclass(frozen=True)
 class Coupled:
-    """A compiled loss or metric found to couple the examples of a batch.
+    """A compiled loss or metric, or a loss a layer adds, found to couple the examples of a batch.
 
     Attributes:
-        kind: `"loss"` or `"metric"`.
-        name: String, its name (as in the logs).
-        wrapped: The object to pass to `keras_dist.global_batch` (the loss, or the metric).
+        kind: `"loss"`, `"metric"`, or `"added loss"` (a value a layer adds with `add_loss`).
+        name: String, its name (as in the logs; for an added loss, the layer's path).
+        wrapped: The object to pass to `keras_dist.global_batch` (the loss, or the metric); `None` for an added loss.
         difference: Python float, the largest relative difference seen (inf: other shapes).
         by_definition: True for one of Keras' losses that couples by definition
             (`_couples_by_definition`), whatever the difference on this batch.
+        summed: True for an added loss whose parts' values add up to the
+            whole batch's: one number that is a sum over the batch.
     """
 
     kind: str
@@ -130,6 +133,7 @@ class Coupled:
     wrapped: object
     difference: float
     by_definition: bool = False
+    summed: bool = False
 
 
 @contextlib.contextmanager
@@ -198,15 +202,18 @@ def find_coupled(model, batch, num_parts):
         num_parts: Integer, the replicas the batch is split over.
     """
     x, y, sample_weight = batch
-    if y is None or not _anything_to_check(model):
-        return []  # Keras' per-example losses and metrics only: no forward pass.
+    compiled = y is not None and _anything_to_check(model)
+    if not compiled and not _may_add_losses(model):
+        return []  # Keras' per-example losses and metrics and Keras' own layers only: no forward pass.
     size = min(int(tree.flatten(x)[0].shape[0]), MAX_EXAMPLES)
     x, y, sample_weight = tree.map_structure(lambda v: None if v is None else v[:size], (x, y, sample_weight))
     sizes = [len(p) for p in np.array_split(np.arange(size), num_parts)]
     if sum(1 for s in sizes if s) < 2:
         return []
     y_pred = model(x, training=False)
-    found = []
+    found = _coupled_added_losses(model, x, sizes)
+    if not compiled:
+        return found
     compile_loss = getattr(model, "_compile_loss", None)
     for entry in getattr(compile_loss, "_flat_losses", None) or []:
         path, loss = entry[0], entry[1]
@@ -220,6 +227,81 @@ def find_coupled(model, batch, num_parts):
         elif difference is not None:
             found.append(Coupled("loss", loss.name, _unwrapped(loss), difference))
     found.extend(_coupled_metrics(model, y, y_pred, sample_weight, sizes))
+    return found
+
+
+_BATCH_STATISTICS = threading.local()  # `taken`: `batch_mean` calls while `_coupled_added_losses` watches.
+
+
+def note_batch_statistic():
+    """Called by `keras_dist.batch_mean`: the check of added losses cannot see the global batch's statistics."""
+    if getattr(_BATCH_STATISTICS, "watching", False):
+        _BATCH_STATISTICS.taken = True
+
+
+def _may_add_losses(model):
+    """Whether a layer of `model` (or the model) is a class of one's own: its `call` may `add_loss` a batch statistic."""
+    return any(not type(layer).__module__.startswith("keras.") for layer in model._flatten_layers(include_self=True))
+
+
+def _added_losses(model):
+    """`{(layer path, position): float64 array}`: what each layer added with `add_loss` in the model's last call."""
+    added = {}
+    for layer in model._flatten_layers(include_self=True):
+        for position, value in enumerate(layer._get_own_losses()):
+            added[(getattr(layer, "path", None) or layer.name, position)] = np.asarray(
+                ops.convert_to_numpy(value), "float64"
+            )
+    return added
+
+
+def _coupled_added_losses(model, x, sizes):
+    """`Coupled` for each `add_loss` value of the model's last call that the replicas' parts do not give.
+
+    keras-dist counts a value added with one entry per example as a sum over
+    the examples, and any other (a scalar) by the replicas' example shares
+    (`loss_terms.global_surrogate`): the parts' values combined so are checked
+    against the whole batch's. A function of statistics over the batch (a
+    mixture-of-experts load-balancing loss, `mean(p, 0) * mean(mask, 0)`) is
+    not: a new-user probe trained 0.21 off one device, unwarned.
+    """
+    try:
+        _BATCH_STATISTICS.watching, _BATCH_STATISTICS.taken = True, False
+        model(x, training=False)  # Again, watched: a loss computed with `batch_mean` is the global batch's already.
+        whole = _added_losses(model)
+        if not whole or _BATCH_STATISTICS.taken:
+            return []
+        per_part = []
+        for part in _parts(x, sizes):
+            model(part, training=False)
+            per_part.append(_added_losses(model))
+    except Exception:  # noqa: BLE001
+        return []
+    finally:
+        _BATCH_STATISTICS.watching = False
+    total = sum(sizes)
+    shares = [s / total for s in sizes if s]
+    found = []
+    for key, expected in whole.items():
+        values = [part.get(key) for part in per_part]
+        if any(v is None for v in values):
+            continue
+        summed = False
+        if (
+            expected.ndim
+            and expected.shape[0] == total
+            and all(v.ndim and v.shape[0] == n for v, n in zip(values, sizes))
+        ):
+            got = np.concatenate(values)
+        elif all(v.shape == expected.shape for v in values):
+            got = sum(share * v for share, v in zip(shares, values))
+            summed = _relative_excess(sum(values), expected) is None  # A sum over the batch: the parts add up.
+        else:
+            got = None
+        difference = float("inf") if got is None or got.shape != expected.shape else _relative_excess(got, expected)
+        if difference is not None:
+            name = f"{key[0]}" if key[1] == 0 else f"{key[0]} (its value {key[1] + 1})"
+            found.append(Coupled("added loss", name, None, difference, summed=summed))
     return found
 
 

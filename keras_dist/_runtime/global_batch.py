@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from keras_dist._runtime import gather, loss_terms, step_state
+from keras_dist._runtime import batch_coupling, gather, loss_terms, step_state
 from keras_dist._runtime import keras_internals as ki
 
 _STATE = gather.ThreadDepth()  # Inside `on_global_batch` on this thread (one per replica under Mirrored).
@@ -137,3 +137,25 @@ def update_metric_on_global_batch(metric, y_true, y_pred, sample_weight=None):
         if getattr(variable, "aggregation", "sum") == "sum":
             value = tf.where(first, tf.cast(value, variable.dtype), variable.value)
         variable.assign(value)
+
+
+def batch_mean(values):
+    """The mean of `values` over the global batch (axis 0): a differentiable all-reduce in replica context.
+
+    Each replica sums its own rows and counts them; one all-reduce sums both
+    over the replicas (its gradient is the all-reduce of the gradients, so
+    every replica's rows get the global mean's gradient). Outside replica
+    context, or with one replica, `ops.mean(values, axis=0)`.
+
+    Distributed behavior:
+        Collective in replica context with several replicas: every replica
+        must call it, in the same order.
+    """
+    batch_coupling.note_batch_statistic()
+    values = tf.convert_to_tensor(values)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return keras.ops.mean(values, axis=0)
+    rows = tf.cast(tf.shape(values)[0], values.dtype)
+    total, count = context.all_reduce(tf.distribute.ReduceOp.SUM, [tf.reduce_sum(values, axis=0), rows])
+    return tf.math.divide_no_nan(total, tf.stop_gradient(count))

@@ -140,7 +140,7 @@ def _coupled(model, strategy, first_batch):
 
 def _batch_coupled_loss(model, e):
     """A compiled loss that couples the batch's examples (first: it changes the weights)."""
-    if not any(c.kind == "loss" for c in e.coupled):
+    if not any(c.kind in ("loss", "added loss") for c in e.coupled):
         return None
     return _batch_coupled(model, e)
 

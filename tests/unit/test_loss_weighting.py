@@ -1227,8 +1227,14 @@ class _SemiSupervisedStep:
             (x, y), unlabelled = data
             with tf.GradientTape() as tape:
                 both = self(ops.concatenate([x, unlabelled], axis=0), training=True)
-                supervised = ops.mean(ops.square(both[: ops.shape(x)[0]] - y))  # The labelled rows only.
-                consistency = ops.mean(ops.square(both[ops.shape(x)[0] :] if self.unlabelled_rows_only else both))
+                if self.concatenated == "split":
+                    labelled_rows, unlabelled_rows = tf.split(both, [tf.shape(x)[0], -1])
+                    supervised = ops.mean(ops.square(labelled_rows - y))
+                    consistency = ops.mean(ops.square(unlabelled_rows))
+                else:
+                    supervised = ops.mean(ops.square(both[: ops.shape(x)[0]] - y))  # The labelled rows only.
+                    unlabelled_rows = both[ops.shape(x)[0] :]
+                    consistency = ops.mean(ops.square(unlabelled_rows if self.unlabelled_rows_only else both))
                 loss = supervised + 0.5 * consistency
             return self._apply_and_log(tape, loss, consistency)
         if self.unlabelled_first:  # With Keras' own loss: `compute_loss` is 0 where the batch's first part is empty.
@@ -1259,16 +1265,17 @@ class _SemiSupervisedStep:
         (2, False, None),
         (None, True, None),
         (None, False, "all_rows"),
-        pytest.param(
-            None,
-            False,
-            "unlabelled_rows",
-            marks=pytest.mark.xfail(
-                strict=True, reason="rows sliced back out of a concatenation count by the examples (docs/numerics.md)"
-            ),
-        ),
+        (None, False, "unlabelled_rows"),
+        (None, False, "split"),
     ],
-    ids=["each_step", "accumulated", "unlabelled_first_compute_loss", "concatenated", "concatenated_sliced"],
+    ids=[
+        "each_step",
+        "accumulated",
+        "unlabelled_first_compute_loss",
+        "concatenated",
+        "concatenated_sliced",
+        "concatenated_split",
+    ],
 )
 def test_a_batch_zipping_two_batch_sizes(mirrored_1x2_cpu, accumulation, unlabelled_first, concatenated):
     """A new-user probe: the unlabelled mean counted by the labelled part's examples (weights 2.2e-2 off).
@@ -1277,8 +1284,8 @@ def test_a_batch_zipping_two_batch_sizes(mirrored_1x2_cpu, accumulation, unlabel
     batches of 8 (even): each mean counts by its share of its own rows, the trackers too. With the
     unlabelled part first and `self.compute_loss` on the labelled one (another probe: 7.3e-2 off).
     One forward pass over both parts concatenated: the mean over all its rows counts by both
-    parts' rows (7e-3 off before), the labelled rows sliced back out by the labelled part's; the
-    unlabelled rows sliced out (`both[n:]`) still count by the examples (1.9e-2 off, strict xfail).
+    parts' rows (7e-3 off before), the labelled rows sliced or split back out by the labelled
+    part's, the unlabelled rows (`both[n:]`, `tf.split`) by the unlabelled part's (1.9e-2 off before).
     """
     rs = np.random.RandomState(12)
     x = rs.randn(37, 4).astype("float32")
