@@ -23,11 +23,16 @@ from corpus.programs import NAMES  # noqa: E402
 
 
 def _without_the_gather():
-    """`keras_dist.ops.all_gather` as the identity and `global_batch_offset` as 0 (the programs' change undone)."""
+    """`keras_dist.ops.all_gather` as the identity, `global_batch_offset` as 0 and `batch_mean` as the replica's mean.
+
+    The programs' change undone.
+    """
+    import keras
     import tensorflow as tf
 
     keras_dist.ops.all_gather = lambda values, axis=0: values
     keras_dist.ops.global_batch_offset = lambda values: tf.constant(0, tf.int32)
+    keras_dist.ops.batch_mean = lambda values: keras.ops.mean(values, axis=0)
 
 
 def main(names):
