@@ -20,6 +20,8 @@ except those returning one number per batch (keras-dist computes those on the
 global batch already, `batch_metrics`); a metric class of one's own by its
 result from the parts' summed state against the whole batch's (computed
 statelessly). Keras' own metric classes are sums of per-example state: exact.
+Where a layer is a class of one's own, what each layer adds with `add_loss`
+is checked the same way (`_coupled_added_losses`; one forward pass per part).
 No collective runs, no variable is assigned, no random number is drawn;
 any failure of the check itself counts as "not coupled".
 
@@ -210,8 +212,10 @@ def find_coupled(model, batch, num_parts):
     sizes = [len(p) for p in np.array_split(np.arange(size), num_parts)]
     if sum(1 for s in sizes if s) < 2:
         return []
-    y_pred = model(x, training=False)
-    found = _coupled_added_losses(model, x, sizes)
+    with _watching_batch_statistics() as watched:
+        y_pred = model(x, training=False)
+    # A loss computed with `batch_mean` is the global batch's already; the parts cannot show it.
+    found = [] if watched.taken else _coupled_added_losses(model, x, sizes)
     if not compiled:
         return found
     compile_loss = getattr(model, "_compile_loss", None)
@@ -230,13 +234,30 @@ def find_coupled(model, batch, num_parts):
     return found
 
 
-_BATCH_STATISTICS = threading.local()  # `taken`: `batch_mean` calls while `_coupled_added_losses` watches.
+_BATCH_STATISTICS = threading.local()  # `watched`: the `_Watched` of the forward pass being watched, or None.
+
+
+@dataclasses.dataclass
+class _Watched:
+    taken: bool = False  # `keras_dist.ops.batch_mean` ran in the watched forward pass.
+
+
+@contextlib.contextmanager
+def _watching_batch_statistics():
+    """Yields a `_Watched` whose `taken` says whether `batch_mean` ran inside (on this thread)."""
+    watched, previous = _Watched(), getattr(_BATCH_STATISTICS, "watched", None)
+    _BATCH_STATISTICS.watched = watched
+    try:
+        yield watched
+    finally:
+        _BATCH_STATISTICS.watched = previous
 
 
 def note_batch_statistic():
-    """Called by `keras_dist.batch_mean`: the check of added losses cannot see the global batch's statistics."""
-    if getattr(_BATCH_STATISTICS, "watching", False):
-        _BATCH_STATISTICS.taken = True
+    """Called by `keras_dist.ops.batch_mean`: the check of added losses cannot see the global batch's statistics."""
+    watched = getattr(_BATCH_STATISTICS, "watched", None)
+    if watched is not None:
+        watched.taken = True
 
 
 def _may_add_losses(model):
@@ -256,7 +277,7 @@ def _added_losses(model):
 
 
 def _coupled_added_losses(model, x, sizes):
-    """`Coupled` for each `add_loss` value of the model's last call that the replicas' parts do not give.
+    """`Coupled` for each `add_loss` value of the model's last call (on `x`) that the replicas' parts do not give.
 
     keras-dist counts a value added with one entry per example as a sum over
     the examples, and any other (a scalar) by the replicas' example shares
@@ -266,10 +287,8 @@ def _coupled_added_losses(model, x, sizes):
     not: a new-user probe trained 0.21 off one device, unwarned.
     """
     try:
-        _BATCH_STATISTICS.watching, _BATCH_STATISTICS.taken = True, False
-        model(x, training=False)  # Again, watched: a loss computed with `batch_mean` is the global batch's already.
-        whole = _added_losses(model)
-        if not whole or _BATCH_STATISTICS.taken:
+        whole = _added_losses(model)  # Of the whole batch's forward pass, just run.
+        if not whole:
             return []
         per_part = []
         for part in _parts(x, sizes):
@@ -277,8 +296,6 @@ def _coupled_added_losses(model, x, sizes):
             per_part.append(_added_losses(model))
     except Exception:  # noqa: BLE001
         return []
-    finally:
-        _BATCH_STATISTICS.watching = False
     total = sum(sizes)
     shares = [s / total for s in sizes if s]
     found = []
