@@ -41,7 +41,7 @@ PUBLIC = {
         "verify_sharding",
         "with_auto_shard_policy",
     ],
-    "keras_dist.ops": ["all_gather", "global_batch_offset", "num_replicas"],
+    "keras_dist.ops": ["all_gather", "batch_mean", "global_batch_offset", "num_replicas"],
     "keras_dist.strategy": [
         "ClusterInfo",
         "Plan",
