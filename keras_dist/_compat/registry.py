@@ -438,7 +438,9 @@ FIXES = {
             "examples is uninitialized memory (e.g. 1e24), summed into every replica's weights.",
             remedy="Under a multi-replica strategy Keras' TensorFlow conv, depthwise, separable and transposed "
             "convolutions run an empty batch as one example of zeros and keep none of its rows: the right output "
-            "shape and exactly zero gradients, what a replica without examples contributes.",
+            "shape and exactly zero gradients, what a replica without examples contributes. Not inside the pass "
+            "XLA compiles (`jit_compile=True`): XLA's convolutions are not those kernels, and it cannot compile the "
+            "guard's gradient.",
             checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
             notes="On this CI's CPUs, TensorFlow 2.18.1 to 2.23.0.dev fail the step instead ('Missing 1-th output from ... Conv2DBackpropFilter') of returning garbage gradients; the fix avoids both.",
             remove_when=_OPEN_TF,

@@ -35,6 +35,7 @@ stateless transformations (no shuffle, no file reading, no random op in a
 import contextlib
 import dataclasses
 import threading
+import warnings
 
 import keras
 import numpy as np
@@ -212,10 +213,14 @@ def find_coupled(model, batch, num_parts):
     sizes = [len(p) for p in np.array_split(np.arange(size), num_parts)]
     if sum(1 for s in sizes if s) < 2:
         return []
-    with _watching_batch_statistics() as watched:
-        y_pred = model(x, training=False)
-    # A loss computed with `batch_mean` is the global batch's already; the parts cannot show it.
-    found = [] if watched.taken else _coupled_added_losses(model, x, sizes)
+    # Keras' own warnings about the check's calls (the structure a wrapped `Sequential` takes its inputs in,
+    # a new-user probe: a `UserWarning` on every `fit`) are not the user's: the check's forward passes say nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with _watching_batch_statistics() as watched:
+            y_pred = model(x, training=False)
+        # A loss computed with `batch_mean` is the global batch's already; the parts cannot show it.
+        found = [] if watched.taken else _coupled_added_losses(model, x, sizes)
     if not compiled:
         return found
     compile_loss = getattr(model, "_compile_loss", None)
@@ -261,8 +266,15 @@ def note_batch_statistic():
 
 
 def _may_add_losses(model):
-    """Whether a layer of `model` (or the model) is a class of one's own: its `call` may `add_loss` a batch statistic."""
-    return any(not type(layer).__module__.startswith("keras.") for layer in model._flatten_layers(include_self=True))
+    """Whether a layer of `model` (or the model) is a class of one's own: its `call` may `add_loss` a batch statistic.
+
+    Keras' classes and keras-dist's (`DistributedModel`, the wrapper
+    `distribute` makes) add none of their own.
+    """
+    return any(
+        not type(layer).__module__.startswith(("keras.", "keras_dist."))
+        for layer in model._flatten_layers(include_self=True)
+    )
 
 
 def _added_losses(model):

@@ -19,7 +19,9 @@ the gradients of the kernels are exactly zero. Everywhere else (one device, a
 static non-zero batch) the op is Keras' own.
 """
 
+import contextlib
 import functools
+import threading
 
 import tensorflow as tf
 
@@ -30,6 +32,26 @@ keras_tf_nn = locations.tensorflow_backend_nn_module()  # Moved in Keras 3.16 (k
 _GUARDED_OPS = ("conv", "depthwise_conv", "separable_conv", "conv_transpose")
 _ORIGINALS = {}
 _ENABLED = []  # The predicate `install` was given, read when an op is traced.
+_XLA = threading.local()  # `compiling`: this thread traces a function XLA compiles (`compiled_by_xla`).
+
+
+@contextlib.contextmanager
+def compiled_by_xla():
+    """While this thread traces a function XLA compiles, convolutions are Keras' own.
+
+    XLA compiles each shape on its own, an empty batch included, and its CPU
+    convolutions are not TensorFlow's kernels; and XLA cannot compile the
+    guard's gradient (a `tf.cond` whose branches' row counts differ: a new-user
+    probe's `jit_compile=True` convolution failed at its first step on any
+    last batch shorter than the others, 'shape of dy was [16,4,4,4] instead
+    of [0,4,4,4]').
+    """
+    previous = getattr(_XLA, "compiling", False)
+    _XLA.compiling = True
+    try:
+        yield
+    finally:
+        _XLA.compiling = previous
 
 
 def install(is_enabled):
@@ -56,6 +78,7 @@ def _may_see_empty_batches():
     """Whether the op is traced for a replica of a multi-replica strategy (where a replica's batch can be empty)."""
     return (
         bool(_ENABLED)
+        and not getattr(_XLA, "compiling", False)
         and _ENABLED[0]()
         and tf.distribute.has_strategy()
         and tf.distribute.get_strategy().num_replicas_in_sync > 1

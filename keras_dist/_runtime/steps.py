@@ -20,7 +20,7 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.python.framework import ops as tf_ops
 
-from keras_dist._runtime import gather, layers, loss_terms, step_state
+from keras_dist._runtime import empty_batch, gather, layers, loss_terms, step_state
 from keras_dist._runtime import keras_internals as ki
 
 
@@ -449,9 +449,10 @@ def compiled_forward_backward(model):
             holder["scope"] = _StateCollectingScope(mapping)
             return holder["scope"]
 
-        y_pred, loss, gradients = _forward_backward(
-            model, x, y, sample_weight, loss_weight, scope=scope, collective_refusal=refusal
-        )
+        with empty_batch.compiled_by_xla():
+            y_pred, loss, gradients = _forward_backward(
+                model, x, y, sample_weight, loss_weight, scope=scope, collective_refusal=refusal
+            )
         state = holder["scope"]
         state.watching = False
         candidates = {id(v): v for v in [*model.variables, *model.metrics_variables]}

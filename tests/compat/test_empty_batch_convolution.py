@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import keras_dist
 from keras_dist import _compat
+from keras_dist.testing import assert_matches_single_device
 
 pytestmark = pytest.mark.compat
 
@@ -83,3 +84,27 @@ def test_with_fix_a_static_batch_runs_keras_own_op(mirrored_1x2_cpu):
     )
     assert not {"If", "StatelessIf"} & graph_ops((2, 4, 4, 2), mirrored_1x2_cpu)
     assert not {"If", "StatelessIf"} & graph_ops((None, 4, 4, 2), tf.distribute.get_strategy())
+
+
+@pytest.mark.parametrize("layer", [keras.layers.Conv2D, keras.layers.SeparableConv2D], ids=["conv", "separable"])
+def test_with_fix_xla_compiles_convolutions_on_a_short_last_batch(mirrored_1x3_cpu, layer):
+    """A new-user probe: under `jit_compile=True` the guard's `tf.cond` failed XLA at the first step of any fit
+    whose last batch was shorter ('shape of dy was [16,4,4,4] instead of [0,4,4,4]'). XLA compiles the step
+    without the guard (its convolutions are not TensorFlow's kernels): 34 examples in batches of 16 on 3
+    replicas leave one replica of the last batch empty, and the weights are one device's.
+    """
+    rs = np.random.RandomState(4)
+    x = rs.randn(34, 6, 6, 2).astype("float32")
+    y = x[:, 0, 0, :1]
+
+    def build(cls, **kwargs):
+        inputs = keras.Input((6, 6, 2))
+        outputs = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(layer(4, 3)(inputs)))
+        model = cls(inputs, outputs, **kwargs)
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        return model
+
+    def train(model):
+        return {"history": model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history}
+
+    assert_matches_single_device(build, strategy=mirrored_1x3_cpu, train=train, atol=1e-5, rtol=0.0, logs_rtol=1e-5)

@@ -9,6 +9,7 @@ names it as the cause of a difference.
 
 import contextlib
 import io
+import warnings
 
 import keras
 import numpy as np
@@ -334,3 +335,20 @@ def test_a_ratio_of_the_kept_entries_sum_is_read_as_the_step_reads_it(mirrored_1
     with batch_coupling.suppressed():  # Builds the compiled loss; no check.
         model.evaluate(tokens, targets, batch_size=8, verbose=0)
     assert batch_coupling.find_coupled(model, (tokens, targets, None), 2) == []
+
+
+def test_the_checks_forward_passes_warn_nothing(mirrored_1x2_cpu):
+    """A new-user probe: a wrapped `Sequential` got Keras' 'structure of inputs doesn't match' warning on every `fit`,
+    from the check's call on the NumPy batch."""
+    with mirrored_1x2_cpu.scope():
+        sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model = keras_dist.distribute(sequential, strategy=mirrored_1x2_cpu)
+    model.compile(optimizer="sgd", loss=_scalar_mean_squared_error)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model.fit(X, POSITIVE, batch_size=6, epochs=1, verbose=0)
+    assert not [w for w in seen if "structure" in str(w.message)], [str(w.message) for w in seen]
+
+
+def _scalar_mean_squared_error(y_true, y_pred):  # One number per batch: the check runs its forward pass.
+    return ops.mean(ops.square(y_true - y_pred))
