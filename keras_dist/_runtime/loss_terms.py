@@ -454,8 +454,10 @@ def _joined_leaves(value, indices, skipped):
     uneven last batch). Found by walking back from `value` only through
     operations that keep every row (`_row_keeping_inputs`) to a
     concatenation along axis 0 whose inputs come from one leaf each, from at
-    least two leaves. A value taking some rows back out (`both[:n]`, `split`)
-    is not joined: it is read as before (`_leaves_above`).
+    least two leaves; or to a slice or split of such a concatenation that
+    takes whole parts back out (`_selected_leaves`: `both[n:]`, a 1-tuple
+    there). Any other row selection on the way ends the walk there: such a
+    value is read as before (`_leaves_above`).
     """
     seen, joined, pending = set(skipped), set(), [value]
     while pending and len(seen) < _ANCESTRY_LIMIT:
@@ -584,9 +586,8 @@ def _row_concatenation_parts(op):
 def _row_keeping_inputs(op):
     """The inputs of `op` whose every row (leading index) reaches its output: all, except where `op` picks rows.
 
-    A slice or split along the rows, a gather along them (only its indices'
-    rows reach the output) or a boolean mask picks rows: those inputs are
-    left out.
+    A slice or split along the rows picks rows: that input is left out; a
+    gather along them (a boolean mask is one) keeps only its indices' rows.
     """
     inputs = list(op.inputs)
     if op.type in ("Split", "SplitV", "Unpack", "DynamicPartition"):
