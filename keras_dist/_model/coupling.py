@@ -13,7 +13,7 @@ import contextlib
 import warnings
 
 from keras_dist import errors
-from keras_dist._runtime import batch_coupling
+from keras_dist._runtime import batch_coupling, loss_terms
 from keras_dist.strategy import _plan
 
 _FIRST_BATCH = "_keras_dist_first_batch"
@@ -54,6 +54,9 @@ def check_once(model, *, own_step):
         found = [] if batch is None else batch_coupling.find_coupled(model, batch, strategy.num_replicas_in_sync)
     except Exception:  # noqa: BLE001  (a check that cannot run says nothing; training is not its business)
         return
+    for coupled in [c for c in found if c.kind == "added loss" and c.summed]:
+        loss_terms.count_as_sum(*coupled.source)  # Before the step is traced: counted as the sum it is.
+        found.remove(coupled)
     if not found or not _plan.is_chief(strategy):
         return
     for coupled in found:

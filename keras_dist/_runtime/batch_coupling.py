@@ -129,6 +129,8 @@ class Coupled:
             (`_couples_by_definition`), whatever the difference on this batch.
         summed: True for an added loss whose parts' values add up to the
             whole batch's: one number that is a sum over the batch.
+        source: For an added loss, `(layer, position)`: the layer and the
+            index of the value among those it adds in one call.
     """
 
     kind: str
@@ -137,6 +139,7 @@ class Coupled:
     difference: float
     by_definition: bool = False
     summed: bool = False
+    source: object = None
 
 
 @contextlib.contextmanager
@@ -278,13 +281,16 @@ def _may_add_losses(model):
 
 
 def _added_losses(model):
-    """`{(layer path, position): float64 array}`: what each layer added with `add_loss` in the model's last call."""
+    """`{(layer path, position): (layer, float64 array)}`: what each layer added with `add_loss` in the model's last call.
+
+    A value keras-dist already counts as a sum (`loss_terms.counts_as_sum`) is left out.
+    """
     added = {}
     for layer in model._flatten_layers(include_self=True):
         for position, value in enumerate(layer._get_own_losses()):
-            added[(getattr(layer, "path", None) or layer.name, position)] = np.asarray(
-                ops.convert_to_numpy(value), "float64"
-            )
+            if not loss_terms.counts_as_sum(layer, position):
+                key = (getattr(layer, "path", None) or layer.name, position)
+                added[key] = (layer, np.asarray(ops.convert_to_numpy(value), "float64"))
     return added
 
 
@@ -311,8 +317,8 @@ def _coupled_added_losses(model, x, sizes):
     total = sum(sizes)
     shares = [s / total for s in sizes if s]
     found = []
-    for key, expected in whole.items():
-        values = [part.get(key) for part in per_part]
+    for key, (layer, expected) in whole.items():
+        values = [part[key][1] if key in part else None for part in per_part]
         if any(v is None for v in values):
             continue
         summed = False
@@ -330,7 +336,7 @@ def _coupled_added_losses(model, x, sizes):
         difference = float("inf") if got is None or got.shape != expected.shape else _relative_excess(got, expected)
         if difference is not None:
             name = f"{key[0]}" if key[1] == 0 else f"{key[0]} (its value {key[1] + 1})"
-            found.append(Coupled("added loss", name, None, difference, summed=summed))
+            found.append(Coupled("added loss", name, None, difference, summed=summed, source=(layer, key[1])))
     return found
 
 

@@ -637,23 +637,48 @@ def _recording_add_loss(self, loss):
       `ctc_batch_cost`, shape `(batch, 1)`;
     - on a Keras before 3.14, `activity_regularizer(output)` as
       `Layer.__call__` adds it (keras-team/keras#22018; 3.14 divides it by the
-      batch size; compat fix `summed_activity_regularization`).
+      batch size; compat fix `summed_activity_regularization`);
+    - one number that the first-batch check found to be a sum over the batch
+      (`count_as_sum`: keras.io's guide's `add_loss(ops.sum(inputs) * 0.1)`,
+      counted as a mean, half of one device's on 2 replicas, before).
     """
     step = step_state.current()
     record = _RECORDS.get(step_state.replica_key()) if step is not None else None
+    own = _replica_losses(self, create=True)
+    values = tree.flatten(loss)
     if record is not None:
         activity = sys._getframe(1).f_code is _LAYER_CALL_CODE and _compat.sums_activity_regularization()
-        for value in tree.flatten(loss):
-            if tf.is_tensor(value) and (activity or per_example(value, step)):
+        first = len(own) if own is not None else len(getattr(self, "_losses", []))
+        for position, value in enumerate(values, start=first):
+            if tf.is_tensor(value) and (activity or per_example(value, step) or counts_as_sum(self, position)):
                 record.terms.append(LossTerm(value, SUM))
                 if record.tape is not None:
                     record.tape.watch(value)
-    own = _replica_losses(self, create=True)
-    values = tree.flatten(loss)
     if own is None or not all(tf.is_tensor(v) for v in values):
         return _ORIGINAL["add_loss"](self, loss)  # Keras' own (and its error for a value that is not a tensor).
     own.extend(values)
     return None
+
+
+_SUMMED_ADDED_LOSSES = "_keras_dist_summed_added_losses"  # On a layer: positions of its added sums (`count_as_sum`).
+
+
+def count_as_sum(layer, position):
+    """From now on, the `position`-th value `layer` adds with `add_loss` in a call counts as a sum over the examples.
+
+    The first-batch check (`batch_coupling`) calls it for one number whose
+    values on the replicas' parts of the first global batch add up to the
+    whole batch's (a sum, where keras-dist otherwise takes one number for a
+    mean): each replica's part then counts once (`SUM`), as one device sums
+    the global batch. Set before the step is traced, identically on every
+    worker (the same first batch and weights).
+    """
+    layer.__dict__.setdefault(_SUMMED_ADDED_LOSSES, set()).add(position)
+
+
+def counts_as_sum(layer, position):
+    """Whether `count_as_sum(layer, position)` was called."""
+    return position in layer.__dict__.get(_SUMMED_ADDED_LOSSES, ())
 
 
 _REPLICA_LOSSES = "_keras_dist_replica_losses"  # On a layer: replica key -> that replica's `add_loss` values.

@@ -95,14 +95,24 @@ class SummedActivity(keras.layers.Layer):
         return inputs
 
 
-def test_a_layer_adding_a_sum_over_the_batch_is_named_with_its_own_fix(mirrored_1x2_cpu):
-    inputs = keras.Input((6,))
-    outputs = keras.layers.Dense(1)(SummedActivity(name="summed")(keras.layers.Dense(4)(inputs)))
-    model = keras_dist.DistributedModel(inputs, outputs, strategy=mirrored_1x2_cpu)
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    with pytest.warns(errors.KerasDistWarning) as seen:
-        model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
-    messages = [str(w.message) for w in seen if issubclass(w.category, errors.KerasDistWarning)]
-    assert len(messages) == 1, messages
-    assert "The loss that layer 'summed' adds with `add_loss` is one number that is a sum over the batch" in messages[0]
-    assert "counts 2 times less than on one device" in messages[0]
+def test_a_layer_adding_a_sum_over_the_batch_counts_it_as_a_sum(mirrored_1x3_cpu):
+    """The check finds that the parts' values add up to the whole batch's: counted once per replica, as a sum.
+
+    keras.io's guide: before, counted as a mean by the example shares, a third of one device's loss here
+    (corpus c21 on 2 replicas: logged loss 11.07 against 20.29). No warning: it is exact now.
+    """
+
+    def build(cls, **kwargs):
+        inputs = keras.Input((6,))
+        outputs = keras.layers.Dense(1)(SummedActivity(name="summed")(keras.layers.Dense(4)(inputs)))
+        model = cls(inputs, outputs, **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    def train(model):
+        history = model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return {"history": history.history, "evaluate": model.evaluate(X, Y, batch_size=8, verbose=0)}
+
+    assert_matches_single_device(
+        build, strategy=mirrored_1x3_cpu, train=train, atol=1e-5, rtol=0.0, logs_atol=1e-7, logs_rtol=1e-5
+    )

@@ -32,11 +32,7 @@ from corpus.programs import NAMES
 import keras_dist
 
 # Measured at 4ad5b55 and 2fa9a85 (keras 3.15.1, TensorFlow 2.21, oneDNN off); `python -m corpus NAME` shows the numbers now.
-KNOWN_FAILURES = {
-    "c21_add_loss_regularizers": "add_loss(ops.sum(activations) * 0.1), a sum over the batch: keras-dist takes an add_loss "
-    "value as a mean over the examples (as Keras' activity regularizers are) and counts it by the example share, so "
-    "on 2 even replicas it counts half (logged loss 11.07 vs 20.29); with ops.mean it matches to 1e-10 (docs/numerics.md)",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 def _params():
