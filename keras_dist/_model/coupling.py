@@ -55,7 +55,7 @@ def check_once(model, *, own_step):
     except Exception:  # noqa: BLE001  (a check that cannot run says nothing; training is not its business)
         return
     for coupled in [c for c in found if c.kind == "added loss" and c.summed]:
-        loss_terms.count_as_sum(*coupled.source)  # Before the step is traced: counted as the sum it is.
+        loss_terms.count_as_sum(*coupled.source)  # Before the step is traced: counted as the sum it is, exactly.
         found.remove(coupled)
     if not found or not _plan.is_chief(strategy):
         return
@@ -66,17 +66,6 @@ def check_once(model, *, own_step):
 def message(coupled, num_replicas):
     """The warning for one `batch_coupling.Coupled`: what was seen, why it matters, the fix."""
     difference = "other shapes" if coupled.difference == float("inf") else f"{coupled.difference:.2g}"
-    if coupled.kind == "added loss" and coupled.summed:
-        return (
-            f"The loss that layer {coupled.name!r} adds with `add_loss` is one number that is a sum over the batch "
-            f"(on the first global batch the {num_replicas} replicas' values add up to the whole batch's): keras-dist "
-            "takes a number added so for a mean over the examples (as Keras' activity regularizers are) and counts "
-            "each replica's by its share of the examples, so this loss counts "
-            f"{num_replicas} times less than on one device (largest relative difference: {difference}). Fix: add "
-            "the per-example values instead (`self.add_loss(values)` with the batch as their first dimension: "
-            "Keras sums them, and keras-dist counts them as a sum, exactly), or add their mean and scale the "
-            "factor (docs/numerics.md)."
-        )
     if coupled.kind == "added loss":
         return (
             f"The loss that layer {coupled.name!r} adds with `add_loss` couples the examples of a batch: on the first "
@@ -112,8 +101,6 @@ def message(coupled, num_replicas):
 def fix(coupled):
     """The line to write instead, e.g. "compile(loss=keras_dist.global_batch(in_batch_softmax))"."""
     wrapped = coupled.wrapped
-    if coupled.kind == "added loss" and coupled.summed:
-        return "add the per-example values (`self.add_loss(values)`, the batch as their first dimension) or their mean"
     if coupled.kind == "added loss":
         return (
             "compute the batch statistics in that layer's `call` with `keras_dist.ops.batch_mean(values)` instead of "

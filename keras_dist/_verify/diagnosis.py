@@ -133,7 +133,9 @@ def _coupled(model, strategy, first_batch):
         return ()
     try:
         batch = ki.unpack_x_y_sample_weight(first_batch)
-        return tuple(batch_coupling.find_coupled(model, batch, strategy.num_replicas_in_sync))
+        found = batch_coupling.find_coupled(model, batch, strategy.num_replicas_in_sync)
+        # An added sum over the batch is counted as one from the first `fit` on (`coupling.check_once`): no cause.
+        return tuple(c for c in found if not (c.kind == "added loss" and c.summed))
     except Exception:  # noqa: BLE001  (no evidence, then)
         return ()
 
