@@ -209,7 +209,10 @@ def find_coupled(model, batch, num_parts):
     """
     x, y, sample_weight = batch
     compiled = y is not None and _anything_to_check(model)
-    if not compiled and not _may_add_losses(model):
+    # Under `run_eagerly=True` (debugging: a breakpoint or `.numpy()` in `call`) `call` runs only in the steps:
+    # added losses are not checked there (a test counting each replica's eager calls saw the check's).
+    added = _may_add_losses(model) and not getattr(model, "run_eagerly", False)
+    if not compiled and not added:
         return []  # Keras' per-example losses and metrics and Keras' own layers only: no forward pass.
     size = min(int(tree.flatten(x)[0].shape[0]), MAX_EXAMPLES)
     x, y, sample_weight = tree.map_structure(lambda v: None if v is None else v[:size], (x, y, sample_weight))
@@ -223,7 +226,7 @@ def find_coupled(model, batch, num_parts):
         with _watching_batch_statistics() as watched:
             y_pred = model(x, training=False)
         # A loss computed with `batch_mean` is the global batch's already; the parts cannot show it.
-        found = [] if watched.taken else _coupled_added_losses(model, x, sizes)
+        found = _coupled_added_losses(model, x, sizes) if added and not watched.taken else []
     if not compiled:
         return found
     compile_loss = getattr(model, "_compile_loss", None)
