@@ -51,16 +51,28 @@ PROGRAMS = [
 KNOWN_FAILURES = {}
 
 
+def _selected(request):
+    """The programs whose tests this session runs (`-m stacks` selects some of them: tests/conftest.py)."""
+    names = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+    }
+    return [name for name in PROGRAMS if name in names]
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """One-device references here, then one `keras-dist launch` for all programs; returns (references, out_dir, log)."""
+def launched(request, tmp_path_factory):
+    """One-device references here, then one `keras-dist launch` for the selected programs; returns (references, out_dir, log)."""
     out_dir = tmp_path_factory.mktemp("corpus_multi_worker")
+    names = _selected(request)
     references = {}
-    for name in PROGRAMS:
+    for name in names:
         references[name] = harness.run_program(harness.load(name), *harness.one_device_api())
         np.savez(out_dir / f"{name}-initial.npz", *references[name]["initial_weights"])
+    # About 15 s a program on 2 idle cores, plus the start; CI shares its cores with other stacks' runs.
     result = run_launcher(
-        ["--num-workers", "2", WORKER, str(out_dir), *PROGRAMS], env=ENV, timeout=300, grace_period=20
+        ["--num-workers", "2", WORKER, str(out_dir), *names], env=ENV, timeout=120 + 25 * len(names), grace_period=20
     )
     output = result.stdout + result.stderr  # stderr ends with the timeout's note, if any
     return references, out_dir, f"exit status {result.returncode}\n{output[-6000:]}"
@@ -72,7 +84,7 @@ def _params():
         yield pytest.param(name, id=name, marks=marks)
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(_params()))
 def test_program_on_two_workers_matches_one_device(launched, name):
     references, out_dir, log = launched
