@@ -428,6 +428,20 @@ FIXES = {
             remove_when=_OPEN,
         ),
         Fix(
+            name="variable_scalar_conversion",
+            package="keras",
+            verified=">=3.10,<3.16",
+            upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/common/variables.py (Variable.__float__ and __int__ convert self.value, on a strategy a tf.distribute variable without those conversions; no upstream report found)",
+            symptom="Under a multi-replica strategy, float(model.optimizer.learning_rate), int(model.optimizer.iterations) "
+            "or float() of a metric's variable, as a callback logging them does, raise 'TypeError: float() argument "
+            "must be a string or a real number, not 'MirroredVariable'' (or 'SyncOnReadVariable').",
+            remedy="float() and int() of a scalar Keras variable backed by a tf.distribute variable convert its NumPy "
+            "value (v.numpy(): the value every replica holds, or a sync-on-read variable's aggregate); every other "
+            "variable converts as Keras does.",
+            checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
+            remove_when=_OPEN,
+        ),
+        Fix(
             name="empty_batch_convolution",
             package="tensorflow",
             verified=">=2.18,<2.22",

@@ -20,6 +20,8 @@ def distribute_state(model):
     strategy = model._distribute_strategy
     if _compat.is_active("empty_batch_convolution") and variables.is_multi_replica(strategy):
         empty_batch.install(lambda: _compat.is_active("empty_batch_convolution"))
+    if _compat.is_active("variable_scalar_conversion") and variables.is_multi_replica(strategy):
+        variables.install_scalar_conversion(lambda: _compat.is_active("variable_scalar_conversion"))
     if _compat.is_active("empty_replica_batch_norm") and variables.is_multi_replica(strategy):
         guarded = [
             runtime_layers.guard_empty_batch_moments(bn) for bn in runtime_layers.batch_normalization_layers(model)

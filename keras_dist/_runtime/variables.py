@@ -290,3 +290,46 @@ def decorrelate_seed_state(variable, strategy, *, first_replica_id=0):
         if replica_id:
             value = component.read_value()
             component.assign(value + tf.constant([replica_id, 0], dtype=value.dtype))
+
+
+_SCALAR_CONVERSION_ENABLED = []  # [callable] once installed: the compat registry's switch, read at each call.
+
+
+def install_scalar_conversion(is_enabled):
+    """Makes `float(v)` and `int(v)` of a Keras variable on a strategy read its value (process-wide, once).
+
+    Keras' `Variable.__float__`/`__int__` convert `v.value`, which on a strategy
+    is a `tf.distribute` `MirroredVariable` (or sync-on-read variable) without
+    those conversions: `float(model.optimizer.learning_rate)` in a callback
+    raised `TypeError: float() argument must be ... not 'MirroredVariable'`
+    (a new-user probe). The replacement converts such a variable through
+    NumPy, as `v.numpy()` reads it (the value every replica holds; a
+    sync-on-read variable's aggregate); any other variable is Keras' own way.
+
+    Args:
+        is_enabled: Callable returning whether the conversion applies, read at
+            each call (the compat registry's switch).
+
+    Returns:
+        Boolean, whether the methods were replaced now (False: already).
+    """
+    from keras.src.backend.common.variables import Variable as KerasVariable
+
+    _SCALAR_CONVERSION_ENABLED[:] = [is_enabled]
+    if getattr(KerasVariable.__float__, "_keras_dist_scalar_conversion", False):
+        return False
+    for name, convert in (("__float__", float), ("__int__", int)):
+        setattr(KerasVariable, name, _scalar_conversion(getattr(KerasVariable, name), convert))
+    return True
+
+
+def _scalar_conversion(original, convert):
+    @functools.wraps(original)
+    def converted(self):
+        value = getattr(self, "_value", None)
+        if isinstance(value, tf.distribute.DistributedValues) and _SCALAR_CONVERSION_ENABLED[0]() and self.ndim == 0:
+            return convert(self.numpy())
+        return original(self)
+
+    converted._keras_dist_scalar_conversion = True  # type: ignore[attr-defined]
+    return converted
