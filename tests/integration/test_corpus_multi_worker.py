@@ -26,7 +26,8 @@ ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 # model with an adapted Normalization, a subclass with the guide's custom train_step, sample weights;
 # losses that see the whole batch through keras_dist.ops.all_gather (issue 25): SimCLR, a CLIP-style
 # dual encoder (last batch 2/1), in-batch softmax retrieval,
-# batch-hard triplets on uneven parts with global_batch_offset; a PyDataset of array slices.
+# batch-hard triplets on uneven parts with global_batch_offset; a PyDataset of array slices; keras.io's
+# callbacks guide with float() of the learning rate.
 PROGRAMS = [
     "c01_mnist_convnet",
     "c12_normalization_adapt",
@@ -47,6 +48,7 @@ PROGRAMS = [
     "c34_token_ratio_masked_loss",
     "c35_semi_supervised_ratio_loss",
     "c36_image_captioning",
+    "c38_custom_callbacks_guide",
 ]
 KNOWN_FAILURES = {}
 
