@@ -128,6 +128,11 @@ STACKS_SUBSET_EXCEPT = (
     "tests/compat/test_jit_compile_mirrored.py::test_with_fix_each_replica_is_compiled_and_trains_like_one_device[mirrored_1x3_cpu]",
     "tests/compat/test_gradient_accumulation_under_strategy.py::test_with_fix_weights_and_iterations_match_single_device[mirrored_1x3_cpu",
     "tests/compat/test_ema_overwrite_under_strategy.py::test_with_fix_weights_averages_and_iterations_match_single_device[mirrored_1x3_cpu]",
+    "tests/compat/test_sum_gradients_before_apply.py::test_with_fix_clipping_matches_single_device[mirrored_1x3_cpu",
+    # The even batch again (the uneven 37 examples stay), and the unmasked lookups (the masked ones stay).
+    "tests/compat/test_gradient_accumulation_under_strategy.py::test_with_fix_weights_and_iterations_match_single_device[mirrored_1x2_cpu-32-",
+    "tests/compat/test_sparse_embedding_read.py::test_with_fix_weights_match_keras_own_lookup[mirrored_1x2_cpu-no_mask",
+    "tests/compat/test_sparse_embedding_read.py::test_with_fix_weights_match_keras_own_lookup[one_device-no_mask",
 )
 
 
