@@ -1,7 +1,8 @@
 """A fast subset of the corpus (tests/corpus) on 2 worker processes, against one device.
 
 `keras-dist launch --num-workers 2 corpus_worker.py` runs every program of `PROGRAMS` whose test
-is selected (all of them, or the `stacks` subset's few: tests/conftest.py) in the same pair of workers (`MultiWorkerMirroredStrategy`, one CPU replica each, on loopback),
+is selected (all of them, or the `stacks` subset's few: tests/conftest.py) in the same pair of
+workers (`MultiWorkerMirroredStrategy`, one CPU replica each, on loopback),
 each program from the starting weights of its one-device reference, which runs here in the
 test process (plain `keras.Model`, no strategy). Both workers must match the reference:
 weights, per-epoch history, `evaluate`, `predict`, to `rtol=atol=1e-4` (`corpus.harness.TOL`),
