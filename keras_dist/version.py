@@ -85,7 +85,8 @@ def supported_statement() -> str:
     return (
         f"Supported and tested: {supported_summary()}, whichever distribution installed them "
         "(tensorflow, tensorflow-cpu, tensorflow-tpu). "
-        f"CI tests three stacks ({describe_tested_stacks()}) and watches {' and '.join(WATCHED)} without failing on them."
+        f"CI tests three stacks ({describe_tested_stacks()}) and, with `KERAS_DIST_CI_NIGHTLY=1`, "
+        f"{' and '.join(WATCHED)} without failing on them."
     )
 
 
