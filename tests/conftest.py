@@ -72,10 +72,9 @@ def _seed():
 
 # The `stacks` subset: what `.ci/run` runs on every other supported stack (ci/stacks/: Colab's and
 # the oldest; the newest runs everything). Every compat fix's tests (tests/compat, both tiers), the
-# main job in-process, real programs against one device (keras.io patterns: a custom train_step, a
-# GAN's own step, BatchNorm with callbacks) and on two workers (the custom train_step), two workers
-# of one replica against one device, and a dead, frozen or never-started worker named by the others.
-# Sized for CI's 2 cores: on them the newest stack's own suite takes most of the run (.ci/run).
+# main job in-process, a custom train_step (keras.io's pattern) against one device, two workers of
+# one replica against one device, and a dead or never-started worker named by the others. Sized for
+# CI's 2 cores, where the newest stack's own suite takes most of the run (.ci/run says how long).
 # Node-id prefixes, relative to the repository.
 STACKS_SUBSET = (
     "tests/compat/",
@@ -83,21 +82,12 @@ STACKS_SUBSET = (
     "tests/unit/test_install.py",
     "tests/unit/test_cli_env.py",
     "tests/integration/test_processes.py::test_main_example_smoke_run",
-    *(
-        f"tests/unit/test_corpus.py::test_program_matches_one_device[{name}]"
-        for name in (
-            "c05_dcgan",
-            "c08_timeseries_bn_callbacks",
-            "c15_custom_train_step_compute_loss",
-        )
-    ),
+    # A custom train_step (the newest stack runs the whole corpus, in-process and on two workers).
+    "tests/unit/test_corpus.py::test_program_matches_one_device[c15_custom_train_step_compute_loss]",
     "tests/integration/test_multi_worker.py::test_two_workers_match_single_device[multi_worker_2x1_cpu]",
     "tests/integration/test_multi_worker.py::test_worker_killed_mid_epoch_fails_the_others_naming_it",
     # TF 2.18 has no register barrier: keras-dist's startup watchdog names the missing worker there.
     "tests/integration/test_multi_worker.py::test_worker_never_started_fails_the_others_naming_it",
-    # A custom train_step on two workers (the newest stack runs all of the corpus's PROGRAMS there).
-    "tests/integration/test_corpus_multi_worker.py::test_program_on_two_workers_matches_one_device[c15_custom_train_step_compute_loss]",
-    "tests/integration/test_stall_watchdog.py::test_a_frozen_worker_is_named_by_the_others",
     # Keras 3.10 keeps a metric's result as given: a variable handed out of keras-dist's summed-state scope read 0.
     "tests/unit/test_loss_weighting.py::test_metric_with_a_running_maximum_on_the_global_batch",
     # Keras 3.16 traces each replica's step with its static batch size: a replica without examples
