@@ -12,10 +12,14 @@ import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist._runtime import keras_internals as ki
+from keras_dist._runtime import step_state
 
 
 def get_metrics_result(model, keras_get_metrics_result):
-    """`DistributedModel.get_metrics_result`: from summed state in replica context, Keras' own elsewhere."""
+    """`DistributedModel.get_metrics_result`: from summed state in replica context, Keras' own elsewhere.
+
+    In a step of the user's, `result()` reads the summed state already (`_runtime.metric_results`).
+    """
     context = tf.distribute.get_replica_context()
     if (
         context is None
@@ -23,6 +27,8 @@ def get_metrics_result(model, keras_get_metrics_result):
         or not _compat.is_active("cross_replica_metrics")
     ):
         return keras_get_metrics_result()
+    if getattr(step_state.current(), "global_results", None) is not None:
+        return model._metrics_result_from_summed_state(None)
     return context.merge_call(model._metrics_result_from_summed_state)
 
 
@@ -34,8 +40,12 @@ def result_from_summed_state(model, strategy, keras_get_metrics_result):
     several workers); `batch_reduce_to` sums them in one packed collective
     per dtype (a pack is one tensor: `MeanIoU`'s int64 confusion matrix
     cannot share the float32 sums' pack), and Keras computes the results
-    from those sums.
+    from those sums. `strategy=None`: in a replica's step of the user's,
+    whose metrics' `result()` reads the summed state already
+    (`_runtime.metric_results`): Keras' own results, without another all-reduce.
     """
+    if strategy is None:
+        return keras.tree.map_structure(_read_if_variable, keras_get_metrics_result())
     by_dtype: dict[str, list] = {}
     for metric in model.metrics:
         for v in metric.variables:

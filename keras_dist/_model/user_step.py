@@ -5,8 +5,8 @@ keras.io writes such a step with its replica's own mean loss, `tape.gradient`,
 under several replicas, `_runtime.user_steps.user_step` registers the replica's
 step (`step_state.ReplicaStep`, `user_step=True`) so that the optimizer weights
 its gradients by its example share and `DistributedModel.compute_loss` returns
-its part of the global batch's loss; the metric results it returns are
-replaced by those of state summed over the replicas. `custom_step_losses =
+its part of the global batch's loss; `result()` of its metrics reads
+their state summed over the replicas. `custom_step_losses =
 "global"` (TensorFlow's guide: the step scales its own loss) turns this off.
 """
 
@@ -40,6 +40,7 @@ def exact_for_global_batch(model, step, *, marks=None):
             options=model.communication.to_tensorflow(),
             marks=marks,
             tape_all_reduce=_tape_all_reduce(model),
+            metrics=model.metrics if _compat.is_active("cross_replica_metrics") else None,
         ) as state:
             return _with_global_metric_results(model, step(data), _raw_value_weighting(model, state))
 
@@ -112,19 +113,19 @@ def _raw_value_weighting(model, state):
 def _with_global_metric_results(model, logs, weighted):
     """`logs` a step of yours returned, each value named after one of `model.metrics` replaced by its global result.
 
-    keras.io returns `{m.name: m.result() for m in self.metrics}`: on a
-    replica `m.result()` reads that replica's state only, and Keras averages
-    the replicas' results, which an uneven split makes differ from one
-    device's. The metrics' state summed over the replicas (one all-reduce)
-    gives one device's results; other values are left as they are.
+    keras.io returns `{m.name: m.result() for m in self.metrics}`. Inside
+    the step (`user_steps.user_step(metrics=model.metrics)`), `m.result()`
+    reads the metrics' state summed over the replicas (one all-reduce,
+    `_runtime.metric_results`), one device's results, and so does what the
+    step computes from them (a perplexity); Keras then averages equal values.
+    A container's results (`compile_metrics`) are taken here the same way.
 
     A value under a metric's name that is not that metric's result stays the
     step's value: TensorFlow Recommenders' step returns `{m.name: m.result()
     for m in self.metrics}` and then overwrites `"loss"` (Keras' own loss
     tracker, which such a step never updates) with its raw loss tensor. So
     a value is replaced only where it equals the metric's result on this
-    replica (a run-time test: the same decision on every replica's trace,
-    one `merge_call` either way).
+    replica (a run-time test: the same decision on every replica's trace).
 
     Every other float scalar (a raw loss tensor) goes through `weighted`
     (`_raw_value_weighting`: counted by this replica's example share).
@@ -132,9 +133,8 @@ def _with_global_metric_results(model, logs, weighted):
     if not isinstance(logs, dict):
         return logs
     by_name = {m.name: m for m in model.metrics} if _compat.is_active("cross_replica_metrics") else {}
-    results = {}
-    if any(key in by_name for key in logs):
-        results = tf.distribute.get_replica_context().merge_call(model._metrics_result_from_summed_state)
+    # In the step, `result()` reads the state summed over the replicas (`user_steps.user_step(metrics=...)`).
+    results = model._metrics_result_from_summed_state(None) if any(key in by_name for key in logs) else {}
     merged = dict(logs)
     for key, value in logs.items():
         if key not in by_name or key not in results and not isinstance(value, dict):

@@ -160,6 +160,8 @@ def _weighted_direct_assign(self, value):
     NaN); where no replica has any, the state stays.
     """
     step = step_state.current()
+    if step is not None and step.global_results is not None:
+        step.global_results.written(self)  # A metric's state changes: its summed state is read again.
     mirrored = getattr(self, "_value", None)
     if (
         step is None

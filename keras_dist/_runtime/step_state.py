@@ -72,6 +72,9 @@ class ReplicaStep:
             counted from. `leaves_of`: `id` of a value -> `(value, index)`
             (`loss_terms.term_share`; `index` a tuple where the value joins
             several leaves' rows).
+        global_results: `None`, or (a user's step) the
+            `metric_results.GlobalResults` whose metrics' `result()` reads the
+            state summed over the replicas.
     """
 
     weighting: str
@@ -91,6 +94,7 @@ class ReplicaStep:
     global_leaf_counts: object = None
     example_leaf: object = None
     leaves_of: dict = dataclasses.field(default_factory=dict)
+    global_results: object = None
 
     def leaf_share(self, index):
         """float32 scalar: this replica's share of the global batch's rows of data leaf `index` (0 when none).

@@ -15,13 +15,13 @@ from keras import tree
 from tensorflow.python.eager import record
 
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import layers, loss_terms, step_state, steps
+from keras_dist._runtime import layers, loss_terms, metric_results, step_state, steps
 
 _LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
+def user_step(model, data, *, options, marks=None, tape_all_reduce=None, metrics=None):
     """Runs a `train_step`/`test_step` the user wrote for one device (the block) as exact for the global batch.
 
     keras.io writes such a step with its replica's own mean loss
@@ -51,7 +51,11 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
       replica's, weighted by its example share, summed over the replicas
       (`_global_gradient`). What the step then does with them (clips them by
       their global norm, `assign_sub`s them, perturbs the weights as SAM
-      does) is what one device does, and `apply` sums nothing again.
+      does) is what one device does, and `apply` sums nothing again;
+    - with `metrics`, `result()` of each of them (and of the metrics nested
+      in them) is computed from the state summed over the replicas
+      (`metric_results`): the step's `{m.name: m.result() ...}` and what it
+      computes from a result (a perplexity) are one device's values.
 
     Args:
         model: The `keras.Model` whose overridden step runs in the block.
@@ -65,6 +69,8 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
             sums them), or `fn(gradients, variables) -> gradients`, the
             optimizer's all-reduce (a list of gradients of `variables`, in
             replica context; `None`s kept).
+        metrics: `None`, or the `keras.metrics.Metric`s whose `result()` in
+            the block is the global batch's (`model.metrics`).
 
     Yields:
         The `step_state.ReplicaStep` registered for this replica.
@@ -91,11 +97,14 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None):
         leaf_counts=rows,
         global_leaf_counts=summed[1:],
         example_leaf=next((i for i, t in enumerate(leaves) if t is first), None),
+        global_results=metric_results.GlobalResults(metrics, options) if metrics else None,
     )
     if step.marks is not None:
         step.marks.stamp("batch", data)
     loss_terms.one_device_scaling_installed()
     layers.weighted_state_installed()
+    if metrics:
+        metric_results.installed(metrics)
     _install_gradient()
     with step_state.running(step):
         try:

@@ -28,7 +28,7 @@ ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 # losses that see the whole batch through keras_dist.ops.all_gather (issue 25): SimCLR, a CLIP-style
 # dual encoder (last batch 2/1), in-batch softmax retrieval,
 # batch-hard triplets on uneven parts with global_batch_offset; a PyDataset of array slices; keras.io's
-# callbacks guide with float() of the learning rate.
+# callbacks guide with float() of the learning rate; a perplexity computed from a tracker's result.
 PROGRAMS = [
     "c01_mnist_convnet",
     "c12_normalization_adapt",
@@ -50,6 +50,7 @@ PROGRAMS = [
     "c35_semi_supervised_ratio_loss",
     "c36_image_captioning",
     "c38_custom_callbacks_guide",
+    "c39_perplexity_from_tracker",
 ]
 KNOWN_FAILURES = {}
 

@@ -8,6 +8,7 @@ replica starts while the step is traced.
 """
 
 import contextlib
+import threading
 
 import keras
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist
+from keras_dist._runtime import metric_results
 from keras_dist.collectives import _all_reduce
 
 TOL = 1e-5
@@ -86,16 +88,29 @@ def _metrics(variant, model):
 
 @contextlib.contextmanager
 def _counting_reductions(model):
-    """Counts, while `model.train_step` is traced, the replicas' `ReplicaContext.all_reduce` calls and the metric sums after `apply`."""
+    """Counts, while `model.train_step` is traced, the replicas' `ReplicaContext.all_reduce` calls and the metric sums after `apply`.
+
+    The sum of a user step's metric state, read by `result()` (`metric_results.GlobalResults.summed`), is
+    not counted: it runs after the step returns, while another replica's thread may still be inside it.
+    """
     counts = {"all_reduce": 0, "metrics_after_apply": 0}
     in_step = [0]  # Replicas inside train_step (MirroredStrategy runs each in its own thread).
+    in_metric_sums = threading.local()
     all_reduce = tf.distribute.ReplicaContext.all_reduce
     metrics_after_apply = keras_dist.DistributedModel._metrics_result_from_summed_state
+    summed = metric_results.GlobalResults.summed
     train_step = model.train_step
 
     def counting_all_reduce(self, *args, **kwargs):
-        counts["all_reduce"] += bool(in_step[0])
+        counts["all_reduce"] += bool(in_step[0]) and not getattr(in_metric_sums, "active", False)
         return all_reduce(self, *args, **kwargs)
+
+    def marked_summed(self):
+        in_metric_sums.active = True
+        try:
+            return summed(self)
+        finally:
+            in_metric_sums.active = False
 
     def counting_metrics_after_apply(self, *args, **kwargs):
         counts["metrics_after_apply"] += bool(in_step[0])  # Once per step, in cross-replica context.
@@ -110,12 +125,14 @@ def _counting_reductions(model):
 
     tf.distribute.ReplicaContext.all_reduce = counting_all_reduce
     keras_dist.DistributedModel._metrics_result_from_summed_state = counting_metrics_after_apply
+    metric_results.GlobalResults.summed = marked_summed
     model.train_step = counting_train_step
     try:
         yield counts
     finally:
         tf.distribute.ReplicaContext.all_reduce = all_reduce
         keras_dist.DistributedModel._metrics_result_from_summed_state = metrics_after_apply
+        metric_results.GlobalResults.summed = summed
         del model.train_step
 
 
