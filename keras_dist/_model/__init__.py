@@ -90,7 +90,8 @@ class DistributedModel(keras.Model):
     Raises:
         ValueError: `strategy` is an unknown name or an unsupported strategy
             (e.g. `ParameterServerStrategy`), `auto_shard_policy` is unknown,
-            or `communication` asks for NCCL on a machine without GPUs.
+            `communication` asks for NCCL on a machine without GPUs, or a
+            layer is stateful (`LSTM(stateful=True)`) under several replicas.
         TypeError: `strategy` is neither a name nor a `tf.distribute.Strategy`,
             or `communication` is not one of the accepted types.
 

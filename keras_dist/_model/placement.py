@@ -16,8 +16,14 @@ from keras_dist.collectives import _optimizer as collectives_optimizer
 
 
 def distribute_state(model):
-    """Re-homes every variable `model` owns onto its strategy (cheap when nothing moved)."""
+    """Re-homes every variable `model` owns onto its strategy (cheap when nothing moved).
+
+    Raises:
+        ValueError: a layer of `model` is stateful (`LSTM(stateful=True)`) under several replicas.
+    """
     strategy = model._distribute_strategy
+    if variables.is_multi_replica(strategy):
+        check_no_stateful_layers(model, strategy.num_replicas_in_sync)
     if _compat.is_active("empty_batch_convolution") and variables.is_multi_replica(strategy):
         empty_batch.install(lambda: _compat.is_active("empty_batch_convolution"))
     if _compat.is_active("variable_scalar_conversion") and variables.is_multi_replica(strategy):
@@ -57,6 +63,29 @@ def distribute_state(model):
         for optimizer in optimizers:
             variables.reindex_optimizer(optimizer)
         _reset_step_functions(model, "train_function", "test_function", "predict_function")
+
+
+def check_no_stateful_layers(model, num_replicas):
+    """Raises `ValueError` naming the first stateful layer of `model` (an RNN with `stateful=True`).
+
+    A stateful RNN carries each example's state from one batch to the next,
+    for a batch size fixed when it is built. Under several replicas each
+    replica runs on its own part of every batch: the state was built for
+    the global batch (Keras' "If an RNN is stateful, the batch size ..."
+    error, or TensorFlow's `Incompatible shapes: [0,16] vs. [4,16]` on a
+    replica whose part is empty, in a new-user probe), and nothing keeps an
+    example's sequence on one replica. Not supported (docs/troubleshooting.md).
+    """
+    for layer in model._flatten_layers(include_self=False):
+        if getattr(layer, "stateful", False) is True:
+            raise ValueError(
+                f"Layer {layer.name!r} ({type(layer).__name__}) is stateful (`stateful=True`): it carries each "
+                f"example's state from one batch to the next, for one batch size. keras-dist expected no stateful "
+                f"layers under several replicas; received a model with {num_replicas} replicas in sync, where each "
+                "replica runs on its own part of every batch. Fix: train a stateful RNN on one device "
+                '(`DistributedModel(..., strategy="one_device")`), or use `stateful=False` and pass whole '
+                "sequences (docs/troubleshooting.md, stateful RNNs)."
+            )
 
 
 def _reset_step_functions(model, *names):

@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist._runtime import accumulation, user_steps, variables
+from keras_dist._runtime import accumulation, loss_terms, user_steps, variables
 from keras_dist.collectives import _all_reduce
 from keras_dist.collectives import _optimizer as collectives_optimizer
 
@@ -70,16 +70,18 @@ def _tape_all_reduce(model):
 
 
 def _raw_value_weighting(model, state):
-    """Returns the function that makes a raw scalar the step returns count by this replica's example share.
+    """Returns the function that makes a raw scalar the step returns count by this replica's share of it.
 
     Keras averages the values a step returns over the replicas
     (`distribute_reduction_method` `"auto"` or `"mean"`): a raw loss tensor
     (keras.io's WGAN-GP returns `{"d_loss": d_loss, "g_loss": g_loss}`), a
     mean over this replica's examples, then logs the replicas' unweighted
     mean, and NaN when a replica had no examples (the mean of nothing).
-    Each float scalar becomes `examples share x replicas x value` (0 on a
-    replica without examples), whose mean over the replicas is the
-    examples-weighted mean: one device's value for a mean over the examples.
+    Each float scalar becomes `share x replicas x value` (0 on a replica
+    without examples), term by term (`loss_terms.shared_value`): the share
+    of the examples for a mean over them, of the denominator for a ratio of
+    sums, 1 for a sum over the examples; the mean over the replicas is one
+    device's value.
     Not the result of a `keras.metrics.Mean` of the model returned under
     another name (keras.io's VAE returns `total_loss_tracker.result()` as
     `"loss"`): the step already counts such a tracker's values by the
@@ -98,8 +100,7 @@ def _raw_value_weighting(model, state):
         if not isinstance(value, (tf.Tensor, tf.Variable)) or value.shape.rank != 0 or not value.dtype.is_floating:
             return value
         value = tf.convert_to_tensor(value)
-        share = tf.cast(state.example_share() * num_replicas, value.dtype)
-        raw = tf.where(state.num_examples > 0, value, tf.zeros([], value.dtype)) * share
+        raw = loss_terms.shared_value(value, state, value.dtype) * tf.cast(num_replicas, value.dtype)
         for metric in model.metrics:
             if isinstance(metric, keras.metrics.Mean):
                 result = tf.convert_to_tensor(metric.result())

@@ -194,8 +194,9 @@ def _mean_update_state(self, values, sample_weight=None):
     global batch's mean of the values with a count of one, and so is the mean
     over the replicas of each replica's result (the logs a step returns).
     A ratio of sums (`ratio_share`) counts by its share of the denominator,
-    and a sum of such ratios and other terms (`linear_ratio_terms`) counts
-    each term by its own share.
+    a sum over the examples (`update_state(ops.sum(correct))`) once, and a
+    sum of such terms and others (`linear_ratio_terms`) counts each term by
+    its own share (`shared_value`).
     """
     original = _ORIGINAL["mean_update_state"]
     step = step_state.current()
@@ -210,8 +211,7 @@ def _mean_update_state(self, values, sample_weight=None):
     num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
     if values.shape.rank != 0 or num_replicas == 1:
         return original(self, values, sample_weight)
-    terms = user_terms(values, step)
-    value = tf.add_n([c * _times_share(term, term_share(term, step)[0], self.dtype) for c, term in terms])
+    value = shared_value(values, step, self.dtype)
     return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
 
 
@@ -366,6 +366,8 @@ def term_share(term, step):
     """`(share, own)`: this replica's share of a scalar `term` of a user's step; `own` unless it is the example share.
 
     A ratio of sums counts by its share of the denominator (`ratio_share`); a
+    sum over the examples (`sum_over_examples`) counts once, as each
+    replica's part of the global batch's sum (share 1); a
     value computed from a tensor of the batch other than the one the examples
     are counted from, and not from that one (the unlabelled half of a batch
     zipping two datasets of other batch sizes), by its share of that tensor's
@@ -376,10 +378,37 @@ def term_share(term, step):
     ratio = ratio_share(term, step)
     if ratio is not None:
         return ratio, True
+    if sum_over_examples(term, step):
+        return tf.constant(1.0), True
     index = _data_leaf_of(term, step)
     if index is not None:
         return step.leaf_share(index), True
     return step.example_share(), False
+
+
+def sum_over_examples(term, step):
+    """Whether scalar `term` is a sum over this replica's examples: `Sum` (through casts) of a per-example tensor.
+
+    keras.io and public scripts write a loss or a logged count as
+    `ops.sum(per_example_values)` (a count of correct predictions, a sum of
+    squared errors, TensorFlow's `tf.reduce_sum(loss) / GLOBAL_BATCH_SIZE`).
+    One device's value is the global batch's sum: each replica's sum counts
+    once, not by its share of the examples. `per_example`: the summed
+    tensor's leading dimension is the batch's.
+    """
+    if not tf.is_tensor(term) or term.shape.rank != 0 or not hasattr(term, "op"):
+        return False
+    reduction = _batch_reduction(term)
+    return reduction is not None and reduction[0] == "Sum" and per_example(reduction[1], step)
+
+
+def shared_value(value, step, dtype):
+    """Scalar `value` of a user's step times this replica's share of it, term by term (`user_terms`, `term_share`), as `dtype`.
+
+    Summed over the replicas, that is one device's value of the global batch
+    (0 where a term's share is 0: a replica without examples).
+    """
+    return tf.add_n([c * _times_share(term, term_share(term, step)[0], dtype) for c, term in user_terms(value, step)])
 
 
 def user_terms(value, step):

@@ -795,10 +795,48 @@ def test_user_step_assigning_a_statistic_of_the_gathered_batch(mirrored_1x2_cpu)
     _train_both(mirrored_1x2_cpu, _batch_statistic_build(True), x, y, batch_size=8, evaluate=False, logs=False)
 
 
-@pytest.mark.xfail(strict=True, reason="a scalar loss in a step you write is taken for a mean over the examples")
-def test_user_step_with_a_scalar_sum_loss(mirrored_1x2_cpu):
-    x, y = _regression(16, seed=8)
-    _train_both(mirrored_1x2_cpu, _dense_with_step(_ScalarSumLossStep), x, y, batch_size=8, evaluate=False, logs=False)
+def test_user_step_with_a_scalar_sum_loss(mirrored_1x3_cpu):
+    """Was a strict xfail (a sum over the batch was weighted as a mean over it); now with its raw logged value too."""
+    x, y = _regression(19, seed=8)
+    _train_both(mirrored_1x3_cpu, _dense_with_step(_ScalarSumLossStep), x, y, batch_size=8, evaluate=False)
+
+
+class _SumTrackersStep:
+    """A `Mean` tracker fed one sum per batch (a count of close predictions), and the TF guide's global-batch loss.
+
+    TensorFlow's custom-training guide writes `tf.reduce_sum(per_example_loss) / GLOBAL_BATCH_SIZE`; on one
+    device with batches of that size it is the batch's mean (the last, smaller batch counts less).
+    """
+
+    GLOBAL_BATCH_SIZE = 8
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.close_tracker = keras.metrics.Mean(name="close_per_batch")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.close_tracker]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            per_example_loss = ops.squeeze(ops.square(y - y_pred), axis=-1)
+            loss = tf.reduce_sum(per_example_loss) / self.GLOBAL_BATCH_SIZE
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        self.loss_tracker.update_state(loss)
+        self.close_tracker.update_state(ops.sum(ops.cast(ops.abs(y - y_pred) < 1.0, "float32")))
+        return {m.name: m.result() for m in self.metrics}
+
+
+def test_user_step_trackers_of_sums_over_the_batch(mirrored_1x3_cpu):
+    """Found while fixing the scalar sum loss: a sum over the batch in a `Mean` tracker was counted as a mean over
+    it (one third of one device's on 3 replicas, even splits too), and so was the TF guide's loss."""
+    x, y = _regression(21, seed=12)
+    _train_both(mirrored_1x3_cpu, _dense_with_step(_SumTrackersStep), x, y, batch_size=8, evaluate=False)
 
 
 @pytest.mark.xfail(

@@ -292,3 +292,28 @@ def test_freeze_fit_unfreeze_fit_matches_single_device(mirrored_1x2_cpu, wrap_fr
     reference, model = run(False), run(True)
     assert np.abs(model.get_layer("base").kernel.numpy() - reference.get_layer("base").kernel.numpy()).max() < 1e-5
     assert max_weight_difference(reference, model) < 1e-5
+
+
+def test_stateful_rnn_under_several_replicas_is_refused_by_name(mirrored_1x3_cpu):
+    """A new-user probe: `LSTM(stateful=True)` with a batch of 4 on 3 replicas failed in TensorFlow's
+    `BroadcastGradientArgs` (`Incompatible shapes: [0,16] vs. [4,16]`), naming neither the layer nor the cause."""
+    inputs = keras.Input(batch_shape=(4, 5, 2))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.LSTM(4, stateful=True, name="counter_lstm")(inputs)))
+    expected = r"'counter_lstm' \(LSTM\) is stateful.*3 replicas.*one_device"
+    with pytest.raises(ValueError, match=expected):
+        keras_dist.distribute(model, strategy=mirrored_1x3_cpu)
+    with mirrored_1x3_cpu.scope(), pytest.raises(ValueError, match=expected):
+        inputs = keras.Input(batch_shape=(4, 5, 2))
+        lstm = keras.layers.LSTM(4, stateful=True, name="counter_lstm")
+        keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(lstm(inputs)))
+
+
+def test_stateful_rnn_on_one_replica_still_trains():
+    """The check is for several replicas only: on one device a stateful RNN trains as in Keras."""
+    x = np.zeros((8, 5, 2), "float32")
+    inputs = keras.Input(batch_shape=(4, 5, 2))
+    model = keras_dist.DistributedModel(
+        inputs, keras.layers.Dense(1)(keras.layers.LSTM(4, stateful=True)(inputs)), strategy="one_device"
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, x[:, 0, :1], batch_size=4, verbose=0)
