@@ -472,7 +472,11 @@ def _ratio_terms_of(loss, y_true, y_pred):
         pair = [y_true, y_pred]
         dense = all(isinstance(v, (np.ndarray, tf.Tensor)) for v in tree.flatten(pair))
         specs = tree.map_structure(lambda v: tf.TensorSpec([None, *np.shape(v)[1:]], v.dtype), pair) if dense else None
-        rows = tf.function(traced, autograph=False, input_signature=specs)(y_true, y_pred).numpy()
+        # A concrete function, called directly: `tf.function.__call__` counts the traces of every closure of
+        # `traced` together and told the user to fix their loop (TensorFlow's retracing warning, in a probe).
+        function = tf.function(traced, autograph=False, input_signature=specs)
+        concrete = function.get_concrete_function() if specs else function.get_concrete_function(y_true, y_pred)
+        rows = concrete(y_true, y_pred).numpy()
     except Exception:  # noqa: BLE001  (a loss that cannot be traced here: taken for a mean over examples)
         return None
     if not any(ratio is not None for _, ratio in found) or len(found) != len(rows):
