@@ -89,7 +89,8 @@ FIXES = {
             "and logs the loss divided by num_replicas_in_sync when it uses compute_loss.",
             remedy="While a user's train_step/test_step runs, Keras' loss scaling is off, each replica's "
             "gradients count by its share of the global batch's examples, compute_loss counts each term by "
-            "its divisor, scalar Mean tracker updates count by the example share, tape.gradient of one "
+            "its divisor, scalar Mean tracker updates and returned scalars count by their share (of the examples, "
+            "of a ratio's denominator, once for a sum over the batch), tape.gradient of one "
             "value per example (a sum's gradient) counts once per replica, and tape.gradient with respect to "
             "trainable variables returns the global batch's gradient (clipping by hand, SAM, hand updates).",
             checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
@@ -200,7 +201,8 @@ FIXES = {
             symptom="Metric results are computed per replica from local state and then averaged, "
             "so uneven batches give logged metrics that differ from single-device values.",
             remedy="Metric results are computed in cross-replica context from the summed "
-            "on-read state (as tf.keras did), identical on every replica.",
+            "on-read state (as tf.keras did), identical on every replica; inside a train_step/test_step of the "
+            "user's, metric.result() itself reads the state summed over the replicas (one all-reduce).",
             checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),
