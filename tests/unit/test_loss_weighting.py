@@ -1451,3 +1451,34 @@ def test_a_ratio_times_a_weight_that_changes(mirrored_1x2_cpu, written):
 
     x, y = _padded_tokens(37)
     _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=written == "compiled")
+
+
+class _WeightPenaltyStep:
+    """A step adding an L2 penalty of a weight by hand, `ops.sum(ops.square(kernel))`: a sum, but not over the examples."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            penalty = ops.sum(ops.square(self.layers[-1].kernel))
+            loss = ops.mean(ops.square(y - self(x, training=True))) + 0.05 * penalty
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_user_step_weight_penalty_whose_rows_equal_a_static_batch(mirrored_1x2_cpu):
+    """A sum over a weight whose first dimension equals the replicas' static batch (4 inputs, batches of 8 dropped to
+    4 per replica) is not a sum over the examples: it counts by the example share, as a mean does."""
+    rs = np.random.RandomState(3)
+    x = rs.rand(24, 4).astype("float32")
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [1.5]], "float32")).astype("float32")
+    plain, distributed = _classes(_WeightPenaltyStep)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((4,))
+        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
+    _train_both(mirrored_1x2_cpu, build, dataset, None, batch_size=None, evaluate=False)
