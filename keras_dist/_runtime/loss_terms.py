@@ -366,8 +366,10 @@ def term_share(term, step):
     """`(share, own)`: this replica's share of a scalar `term` of a user's step; `own` unless it is the example share.
 
     A ratio of sums counts by its share of the denominator (`ratio_share`); a
-    sum over the examples (`sum_over_examples`) counts once, as each
-    replica's part of the global batch's sum (share 1); a
+    sum over the examples (`summed_examples`) counts once, as each
+    replica's part of the global batch's sum (share 1; by the example share
+    where, at run time, it sums more rows than this replica's: a gathered
+    global batch); a
     value computed from a tensor of the batch other than the one the examples
     are counted from, and not from that one (the unlabelled half of a batch
     zipping two datasets of other batch sizes), by its share of that tensor's
@@ -378,16 +380,20 @@ def term_share(term, step):
     ratio = ratio_share(term, step)
     if ratio is not None:
         return ratio, True
-    if sum_over_examples(term, step):
-        return tf.constant(1.0), True
+    summed = summed_examples(term, step)
+    if summed is not None:
+        # At run time too: a sum over the gathered global batch (`keras_dist.ops.all_gather`: TFRS' in-batch
+        # softmax, corpus c24) has one value per global example, the same on every replica: by the example share.
+        mine = tf.equal(tf.shape(summed, out_type=tf.int32)[0], tf.cast(step.num_examples, tf.int32))
+        return tf.where(mine, tf.constant(1.0), step.example_share()), True
     index = _data_leaf_of(term, step)
     if index is not None:
         return step.leaf_share(index), True
     return step.example_share(), False
 
 
-def sum_over_examples(term, step):
-    """Whether scalar `term` is a sum over this replica's examples: `Sum` (through casts) of a per-example tensor.
+def summed_examples(term, step):
+    """The per-example tensor scalar `term` is the `Sum` of (through casts), where it is a sum over the examples; else `None`.
 
     keras.io and public scripts write a loss or a logged count as
     `ops.sum(per_example_values)` (a count of correct predictions, a sum of
@@ -400,13 +406,13 @@ def sum_over_examples(term, step):
     per-replica batch is not (it was counted once per replica, 4.2e-2 off).
     """
     if not tf.is_tensor(term) or term.shape.rank != 0 or not hasattr(term, "op"):
-        return False
+        return None
     reduction = _batch_reduction(term)
     if reduction is None or reduction[0] != "Sum" or not per_example(reduction[1], step):
-        return False
+        return None
     indices = {t.name: i for i, t in enumerate(step.data_leaves) if isinstance(t, tf.Tensor)}
     found, _ = _leaves_above(reduction[1], indices, set()) if indices else (set(), True)
-    return bool(found)
+    return reduction[1] if found else None
 
 
 def shared_value(value, step, dtype):
