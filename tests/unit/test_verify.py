@@ -381,8 +381,12 @@ def test_dropout_is_found_and_passes_with_random_layers_off(mirrored_1x2_cpu):
     assert dropout.rate == 0.5
 
 
-def _guide_model(strategy, *, log_mean=False):
-    """TensorFlow's custom-training guide in a `train_step`: `compute_average_loss(..., global_batch_size=16)`."""
+def _guide_model(strategy, *, log_mean=False, rows_by_hand=False):
+    """TensorFlow's custom-training guide in a `train_step`: `compute_average_loss(..., global_batch_size=16)`.
+
+    `rows_by_hand`: the same scaling written as `ops.mean(per_example) * rows / 16`, a form keras-dist does not
+    read as a sum over the batch (`compute_average_loss`'s `reduce_sum / 16` counts once per replica by default).
+    """
 
     class GuideModel(keras_dist.DistributedModel):
         def __init__(self, *args, **kwargs):
@@ -393,7 +397,11 @@ def _guide_model(strategy, *, log_mean=False):
             x, y = data
             with tf.GradientTape() as tape:
                 per_example = keras.losses.sparse_categorical_crossentropy(y, self(x, training=True), from_logits=True)
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+                if rows_by_hand:
+                    rows = ops.cast(ops.shape(per_example)[0], "float32")
+                    loss = ops.mean(per_example) * rows / GLOBAL_BATCH
+                else:
+                    loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
             gradients = tape.gradient(loss, self.trainable_variables)
             self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
             self.loss_tracker.update_state(ops.mean(per_example) if log_mean else loss)
@@ -411,7 +419,8 @@ def _guide_model(strategy, *, log_mean=False):
 
 def test_a_loss_written_for_global_batch_scaling_is_found(mirrored_1x2_cpu):
     x, y = _data()
-    model = _guide_model(mirrored_1x2_cpu)
+    assert keras_dist.verify(_guide_model(mirrored_1x2_cpu), x, y, batch_size=GLOBAL_BATCH).passed  # Read as a sum.
+    model = _guide_model(mirrored_1x2_cpu, rows_by_hand=True)
     report = keras_dist.verify(model, x, y, batch_size=GLOBAL_BATCH)
     assert not report.passed and report.over_tolerance  # Gradients halved: the weights differ.
     assert report.likely_cause == "global_batch_loss", str(report)
