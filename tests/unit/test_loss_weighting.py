@@ -1482,3 +1482,46 @@ def test_user_step_weight_penalty_whose_rows_equal_a_static_batch(mirrored_1x2_c
 
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
     _train_both(mirrored_1x2_cpu, build, dataset, None, batch_size=None, evaluate=False)
+
+
+class _TwoStepSumStep:
+    """Probe 2's F1 and F3: a sum over the batch axis, then a mean over time, as the loss; a tracker of the rows."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.rows_tracker = keras.metrics.Mean(name="rows")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.rows_tracker]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            squared = ops.square(y - self(x, training=True)[..., 0])
+            loss = ops.mean(ops.sum(squared, axis=0))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        self.loss_tracker.update_state(loss)
+        self.rows_tracker.update_state(ops.cast(ops.shape(x)[0], "float32"))
+        return {m.name: m.result() for m in self.metrics}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a Sum over the batch axis followed by a mean over another is taken for a mean over the examples",
+)
+def test_user_step_sum_over_the_batch_axis_then_a_mean(mirrored_1x3_cpu):
+    """A new-user probe (probe 2, F1 and F3): 0.30 off in the weights on 3 replicas; a tracker of the rows 2.56 vs 7.4."""
+    rs = np.random.RandomState(3)
+    x, y = rs.randn(21, 5, 3).astype("float32"), rs.randn(21, 5).astype("float32")
+    plain, distributed = _classes(_TwoStepSumStep)
+
+    def build(cls, kwargs):
+        inputs = keras.Input((5, 3))
+        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.01))
+        return model
+
+    _train_both(mirrored_1x3_cpu, build, x, y, batch_size=8, evaluate=False)
