@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import step_state
+from keras_dist._runtime import metric_results, step_state
 
 
 def get_metrics_result(model, keras_get_metrics_result):
@@ -45,7 +45,7 @@ def result_from_summed_state(model, strategy, keras_get_metrics_result):
     (`_runtime.metric_results`): Keras' own results, without another all-reduce.
     """
     if strategy is None:
-        return keras.tree.map_structure(_read_if_variable, keras_get_metrics_result())
+        return keras.tree.map_structure(metric_results.read_if_variable, keras_get_metrics_result())
     by_dtype: dict[str, list] = {}
     for metric in model.metrics:
         for v in metric.variables:
@@ -67,12 +67,7 @@ def result_from_summed_state(model, strategy, keras_get_metrics_result):
     with keras.StatelessScope(state_mapping=state_mapping):
         # Read inside the scope: a metric whose `result()` returns its variable itself (a running
         # maximum) would otherwise hand out the variable, read later as this replica's own state.
-        return keras.tree.map_structure(_read_if_variable, keras_get_metrics_result())
-
-
-def _read_if_variable(value):
-    """`value` as a tensor where it is a `keras.Variable` (its value in the current scope), else as given."""
-    return tf.convert_to_tensor(value.value) if isinstance(value, keras.Variable) else value
+        return keras.tree.map_structure(metric_results.read_if_variable, keras_get_metrics_result())
 
 
 class SummedMetrics:

@@ -126,7 +126,7 @@ def _global_result(original):
             with keras.StatelessScope(state_mapping=mapping):
                 # Read inside the scope: a result that is a variable (a running maximum) would be read later as
                 # this replica's own state.
-                return tree.map_structure(_read_if_variable, original(self, *args, **kwargs))
+                return tree.map_structure(read_if_variable, original(self, *args, **kwargs))
         finally:
             _INSIDE.active = False
 
@@ -139,6 +139,6 @@ def _inside():
     return getattr(_INSIDE, "active", False)
 
 
-def _read_if_variable(value):
+def read_if_variable(value):
     """`value` as a tensor where it is a `keras.Variable` (its value in the current scope), else as given."""
     return tf.convert_to_tensor(value.value) if isinstance(value, keras.Variable) else value
