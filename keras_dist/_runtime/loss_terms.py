@@ -407,12 +407,49 @@ def summed_examples(term, step):
     """
     if not tf.is_tensor(term) or term.shape.rank != 0 or not hasattr(term, "op"):
         return None
-    reduction = _batch_reduction(term)
-    if reduction is None or reduction[0] != "Sum" or not per_example(reduction[1], step):
+    summed = _rows_counted(term)
+    if summed is None:
+        reduction = _batch_reduction(term)
+        if reduction is None:
+            return None
+        # The sum over the batch axis first, then the rest (`ops.mean(ops.sum(loss, axis=0))`: per time step).
+        summed = reduction[1] if reduction[0] == "Sum" else None
+        if reduction[0] == "Mean" or not per_example(reduction[1], step):
+            summed = _summed_over_batch_axis(reduction[1])
+    if summed is None or not per_example(summed, step):
         return None
     indices = {t.name: i for i, t in enumerate(step.data_leaves) if isinstance(t, tf.Tensor)}
-    found, _ = _leaves_above(reduction[1], indices, set()) if indices else (set(), True)
-    return reduction[1] if found else None
+    found, _ = _leaves_above(summed, indices, set()) if indices else (set(), True)
+    return summed if found else None
+
+
+def _summed_over_batch_axis(tensor):
+    """The tensor `tensor` is the `Sum` over the leading (batch) axis of, among others (through casts); else `None`."""
+    op = _through(tensor.op)
+    if op is None or op.type != "Sum" or len(op.inputs) != 2:
+        return None
+    summed, axes = op.inputs
+    axes = tf.get_static_value(axes)
+    rank = summed.shape.rank
+    if axes is None or rank is None or rank < 1:
+        return None
+    return summed if 0 in {int(a) % rank for a in np.ravel(axes)} else None
+
+
+def _rows_counted(term):
+    """The tensor whose rows scalar `term` counts (`ops.shape(x)[0]`, through casts), or `None`.
+
+    The count of a replica's examples is the sum over them of 1: one device's
+    is the global batch's count (a `Mean` tracker of the rows per batch).
+    """
+    op = _through(term.op)
+    if op is None or op.type != "StridedSlice" or len(op.inputs) != 4:
+        return None
+    shape = _through(op.inputs[0].op)
+    begin = tf.get_static_value(op.inputs[1])
+    if shape is None or shape.type != "Shape" or begin is None or np.ravel(begin).tolist() != [0]:
+        return None
+    return shape.inputs[0]
 
 
 def shared_value(value, step, dtype):
@@ -1036,6 +1073,8 @@ def ratio_of(value):
     - the mean of the entries a mask keeps (`tf.reduce_mean(tf.boolean_mask(loss, mask))`,
       `tf.gather_nd(loss, tf.where(mask))`: a `Mean` of every axis of a
       gather whose indices come from `Where`), whose divisor is their count;
+    - a sum times the reciprocal of another (`sum(l * m) * (1.0 / sum(m))`,
+      `ops.reciprocal`: `_reciprocal_ratio`);
     - any of these times a scalar that is not a constant (`_weighted_ratio`).
 
     Args:
@@ -1052,14 +1091,18 @@ def ratio_of(value):
         return Ratio(None, None, count, count)
     op = _through(getattr(value, "op", None))
     if op is not None and op.type == "Mul" and len(op.inputs) == 2:
-        return _weighted_ratio(op)
+        return _reciprocal_ratio(op) or _weighted_ratio(op)
     if op is None or op.type not in _DIVISIONS or len(op.inputs) != 2:
         return None
-    numerator, denominator = op.inputs
+    return _division_ratio(*op.inputs)
+
+
+def _division_ratio(numerator, denominator):
+    """The `Ratio` of `numerator / denominator` (`ratio_of`'s divisions), or `None`."""
     if numerator.shape.rank != 0 or denominator.shape.rank != 0:
         return None
     bare, shifts = _unshifted(denominator)
-    top, bottom = _batch_reduction(numerator), _batch_reduction(bare)
+    top, bottom = _batch_reduction(_unscaled(numerator)), _batch_reduction(bare)
     if top is None or bottom is None or top[0] != bottom[0]:
         return None  # Not both over the batch (a constant denominator): left as it was.
     if top[1].shape[0] != bottom[1].shape[0] and not (top[0] == "Sum" and _kept_entries(top[1])):
@@ -1074,6 +1117,29 @@ def ratio_of(value):
         return None  # Means over different numbers of entries: not the ratio of their sums.
     divisor = tf.cast(bare, tf.float32) * tf.cast(tf.size(bottom[1]), tf.float32)
     return Ratio(numerator, denominator, divisor, divisor)  # A shift of a mean: counted as the bare ratio.
+
+
+def _reciprocal_ratio(op):
+    """The `Ratio` of a sum times the reciprocal of another (`sum(l * m) * (1.0 / sum(m))`, `ops.reciprocal`); else `None`.
+
+    The same ratio of sums as the division (a new-user probe: counted by the
+    examples, 1.9e-2 off). With a constant other than 1 above the reciprocal,
+    it counts by the same share without its two parts (`_weighted_ratio`).
+    """
+    for numerator, other in (op.inputs, reversed(op.inputs)):
+        inverse = _through(other.op)
+        if inverse is None or numerator.shape.rank != 0 or other.shape.rank != 0:
+            continue
+        if inverse.type in ("Reciprocal", "Inv") and len(inverse.inputs) == 1:
+            constant, denominator = 1.0, inverse.inputs[0]
+        elif inverse.type in _DIVISIONS and len(inverse.inputs) == 2:
+            constant, denominator = _scalar_constant(inverse.inputs[0]), inverse.inputs[1]
+        else:
+            continue
+        ratio = _division_ratio(numerator, denominator) if constant else None
+        if ratio is not None:
+            return ratio if constant == 1.0 else dataclasses.replace(ratio, numerator=None, denominator=None)
+    return None
 
 
 def _weighted_ratio(op):
@@ -1093,6 +1159,24 @@ def _weighted_ratio(op):
     if sum(r is not None for r in ratios) != 1:
         return None
     return dataclasses.replace(next(r for r in ratios if r is not None), numerator=None, denominator=None)
+
+
+def _unscaled(tensor):
+    """`tensor` without the constant factors, divisors and negations over it (`0.5 * ops.sum(loss)`)."""
+    op = _through(tensor.op)
+    while op is not None and op.type in ("Mul", "Neg", *_DIVISIONS) and op.inputs:
+        if op.type == "Neg":
+            tensor = op.inputs[0]
+        else:
+            constants = [_scalar_constant(t) for t in op.inputs] if len(op.inputs) == 2 else [None, None]
+            if op.type == "Mul" and (constants[0] is None) != (constants[1] is None):
+                tensor = op.inputs[1] if constants[0] is not None else op.inputs[0]
+            elif op.type != "Mul" and constants[0] is None and constants[1]:
+                tensor = op.inputs[0]
+            else:
+                break
+        op = _through(tensor.op)
+    return tensor
 
 
 def _unshifted(tensor):
@@ -1288,6 +1372,10 @@ def _linear_terms(tensor, coefficient, terms):
     if len(terms) >= _LINEAR_TERMS_MAX:
         return False
     op = _through(tensor.op)
+    stacked = _stacked_scalars(op)
+    if stacked is not None and ratio_of(tensor) is None:  # `ops.sum(self.losses)`, `ops.mean(ops.stack([r1, r2]))`
+        factor = coefficient / len(stacked) if op.type == "Mean" else coefficient
+        return all(_linear_terms(t, factor, terms) for t in stacked)
     scalars = op is not None and all(t.shape.rank == 0 for t in op.inputs)
     if not scalars or ratio_of(tensor) is not None or _scalar_constant(tensor) is not None:
         terms.append((coefficient, tensor))
@@ -1313,6 +1401,23 @@ def _through(op):
     while op is not None and op.type in _PASS_THROUGH and op.inputs:
         op = op.inputs[0].op
     return op
+
+
+def _stacked_scalars(op):
+    """The scalars `op`, a `Sum` or `Mean` of every entry of a vector stacked from scalars, reduces; else `None`.
+
+    `ops.sum(self.losses)` (a list of scalars: `Pack`, then `Sum`) and
+    `ops.mean(ops.stack([r1, r2]))`: linear in each scalar, so each is a term
+    of its own (a sum over the batch that a layer adds, a masked ratio).
+    """
+    if op is None or op.type not in _REDUCTIONS or len(op.inputs) != 2 or op.outputs[0].shape.rank != 0:
+        return None
+    stacked = _through(op.inputs[0].op)
+    if stacked is None or stacked.type != "Pack" or not stacked.inputs or stacked.get_attr("axis") != 0:
+        return None
+    if any(t.shape.rank != 0 for t in stacked.inputs):
+        return None
+    return list(stacked.inputs)
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ PROGRAMS = [
     "c36_image_captioning",
     "c38_custom_callbacks_guide",
     "c39_perplexity_from_tracker",
+    "c40_step_adding_layer_losses",
 ]
 KNOWN_FAILURES = {}
 
