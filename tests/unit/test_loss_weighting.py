@@ -1552,20 +1552,27 @@ def _mean_of_stacked_ratios_loss(y_true, y_pred):
     [_times_reciprocal_loss, _reciprocal_op_loss, _mean_of_stacked_ratios_loss],
     ids=["times_one_over_the_sum", "times_reciprocal", "mean_of_a_stack_of_ratios"],
 )
-def test_user_step_ratio_written_as_a_product_or_a_stack(mirrored_1x2_cpu, token_loss):
+@pytest.mark.parametrize("written", ["own_step", "compiled"])
+def test_a_ratio_written_as_a_product_or_a_stack(mirrored_1x2_cpu, token_loss, written):
     """A new-user probe (probe 2, F2): a masked ratio written as a product by a reciprocal, or two ratios averaged
-    through `ops.stack`, counted by the examples (1.9e-2 off in the weights). Each counts by its denominator's share."""
+    through `ops.stack`, counted by the examples in a step of one's own (1.9e-2 off in the weights). Each counts by
+    its denominator's share, in a step of one's own and compiled."""
     plain, distributed = _classes(_TokenRatioStep)
     plain.token_loss = distributed.token_loss = staticmethod(token_loss)
 
     def build(cls, kwargs):
         inputs = keras.Input((6, 3))
-        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(3)(inputs), **kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(0.5))
+        outputs = keras.layers.Dense(3)(inputs)
+        if written == "compiled":
+            model = cls(inputs, outputs, **kwargs)
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss=token_loss)
+        else:
+            model = (plain if cls is keras.Model else distributed)(inputs, outputs, **kwargs)
+            model.compile(optimizer=keras.optimizers.SGD(0.5))
         return model
 
     x, y = _padded_tokens(37)
-    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=False)
+    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=written == "compiled")
 
 
 class _SummedActivity(keras.layers.Layer):
