@@ -81,7 +81,13 @@ def _raw_value_weighting(model, state):
     without examples), term by term (`loss_terms.shared_value`): the share
     of the examples for a mean over them, of the denominator for a ratio of
     sums, 1 for a sum over the examples; the mean over the replicas is one
-    device's value.
+    device's value. An integer (a count of rows or of correct predictions)
+    is taken as float32 first: Keras' mean of integers over the replicas
+    truncates. A tensor of higher rank (a mean or count per class) counts
+    by its share as a whole (`loss_terms.shared_tensor`); one with a row per
+    example is left as it is. A largest or smallest entry of the batch's
+    values (`ops.max(error)`) becomes the global batch's on every replica
+    (`loss_terms.global_extreme`).
     Not the result of a `keras.metrics.Mean` of the model returned under
     another name (keras.io's VAE returns `total_loss_tracker.result()` as
     `"loss"`): the step already counts such a tracker's values by the
@@ -97,9 +103,18 @@ def _raw_value_weighting(model, state):
     num_replicas = float(strategy.num_replicas_in_sync)
 
     def weighted(value):
-        if not isinstance(value, (tf.Tensor, tf.Variable)) or value.shape.rank != 0 or not value.dtype.is_floating:
+        if not isinstance(value, (tf.Tensor, tf.Variable)) or value.shape.rank is None:
+            return value
+        if not (value.dtype.is_floating or value.dtype.is_integer):
             return value
         value = tf.convert_to_tensor(value)
+        if value.dtype.is_integer:  # Keras' mean of integers truncates: 5 rows on 3 replicas were logged as 1.
+            value = tf.cast(value, tf.float32)
+        if value.shape.rank != 0:
+            return loss_terms.shared_tensor(value, state, value.dtype) * tf.cast(num_replicas, value.dtype)
+        extreme = loss_terms.global_extreme(value, state)
+        if extreme is not None:  # `ops.max(error)`: every replica holds the global batch's.
+            return extreme
         raw = loss_terms.shared_value(value, state, value.dtype) * tf.cast(num_replicas, value.dtype)
         for metric in model.metrics:
             if isinstance(metric, keras.metrics.Mean):

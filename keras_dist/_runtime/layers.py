@@ -8,7 +8,7 @@ from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.ops import resource_variable_ops
 
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import step_state
+from keras_dist._runtime import loss_terms, step_state
 
 _GUARDED = "_keras_dist_empty_batch_guard"
 _READS_ROWS = "_keras_dist_sparse_embedding_read"
@@ -157,7 +157,11 @@ def _weighted_direct_assign(self, value):
     weighted so: one all-reduce of `examples x value` and the examples (the
     one TensorFlow's averaging ran), then each replica writes the result into
     its own copy. A replica without examples counts 0 (its value may be
-    NaN); where no replica has any, the state stays.
+    NaN); where no replica has any, the state stays. A term of the value that
+    is a sum over the replica's examples (`count.assign_add(ops.shape(x)[0])`,
+    `total.assign_add(ops.sum(x, axis=0))`: keras.io's "making new layers"
+    guide; `loss_terms.batch_sum_parts`) counts once per replica instead: one
+    device adds the global batch's sum (a count was halved on 2 replicas).
     """
     step = step_state.current()
     if step is not None and step.global_results is not None:
@@ -174,13 +178,19 @@ def _weighted_direct_assign(self, value):
     ):
         return _ORIGINAL_DIRECT_ASSIGN["assign"](self, value)
     context = tf.distribute.get_replica_context()
+    parts = loss_terms.batch_sum_parts(value, step, mirrored.dtype)
     value = tf.cast(value, mirrored.dtype)
+    once = None
+    if parts is not None:  # `count.assign_add(ops.shape(x)[0])`: the replicas' counts add up.
+        once, value = parts
     examples = tf.cast(step.num_examples, mirrored.dtype)
     weighted = tf.where(examples > 0, value * examples, tf.zeros_like(value))
-    summed = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, tf.concat([tf.reshape(weighted, [-1]), tf.reshape(examples, [1])], 0)
-    )
+    pieces = [tf.reshape(weighted, [-1])] + ([tf.reshape(once, [-1])] if once is not None else [])
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([*pieces, tf.reshape(examples, [1])], 0))
     total = summed[-1]
-    average = tf.reshape(summed[:-1], tf.shape(value)) / tf.maximum(total, 1)
+    size = tf.size(value)
+    average = tf.reshape(summed[:size], tf.shape(value)) / tf.maximum(total, 1)
+    if once is not None:
+        average += tf.reshape(summed[size:-1], tf.shape(value))
     local = mirrored._get_on_device_or_primary()
     return local.assign(tf.where(total > 0, average, local.read_value()))

@@ -64,7 +64,7 @@ class ReplicaStep:
         ratio_shares: `id` of a loss value written as a ratio of sums ->
             `(value, share)`: this replica's share of the global batch's
             denominator (`loss_terms.ratio_share`), computed once per value.
-        data_leaves: The tensors of the step's batch (a user's step), in
+        data_leaves: The tensors of the step's batch (a user's step and keras-dist's own), in
             `tree.flatten` order; `leaf_counts` / `global_leaf_counts` their
             leading dimensions on this replica / summed over the replicas
             (float32 vectors), where a batch zips inputs of different batch

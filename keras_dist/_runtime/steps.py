@@ -70,7 +70,9 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
     x, y, sample_weight = ki.unpack_x_y_sample_weight(data)
     num_examples = batch_size_of(x)
     recorder = marks.recorder() if marks is not None else None
-    step = step_state.ReplicaStep(step_state.SUM, num_examples=num_examples, marks=recorder)
+    # The batch's tensors: a layer's state that adds a sum over them counts it once (`layers._weighted_direct_assign`).
+    leaves = [t for t in tree.flatten(data) if tf.is_tensor(t) and t.shape.rank]
+    step = step_state.ReplicaStep(step_state.SUM, num_examples=num_examples, marks=recorder, data_leaves=leaves)
     if recorder is not None:
         recorder.stamp("batch", data)
     loss_terms.one_device_scaling_installed()  # Also for the XLA pass, which records no terms.
