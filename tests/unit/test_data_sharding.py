@@ -442,3 +442,75 @@ def test_a_batched_dataset_of_feature_columns_is_not_taken_for_single_examples(m
     single = tf.data.Dataset.from_tensor_slices(({k: v[:, None] for k, v in features.items()}, labels))
     with pytest.raises(ValueError, match="yields single examples, not batches"):
         build(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu).fit(single, epochs=1, verbose=0)
+
+
+def _cycle_batch(k):
+    """Batch `k` of a 7-batch cycle of 37 rows (six of 6, one of 1): `y = 2x + k`, so each batch has its own loss."""
+    rows = 1 if k % 7 == 6 else 6
+    x = np.random.RandomState(k % 7).rand(rows, 1).astype("float32")
+    return x, 2 * x + float(k % 7)
+
+
+def _endless_generator():
+    k = 0
+    while True:
+        yield _cycle_batch(k)
+        k += 1
+
+
+class _CyclePyDataset(keras.utils.PyDataset):
+    def __len__(self):
+        return 7
+
+    def __getitem__(self, index):
+        return _cycle_batch(index)
+
+
+def _cycle_input(kind):
+    if kind == "generator":
+        return _endless_generator()
+    if kind == "py_dataset":
+        return _CyclePyDataset()
+    spec = tf.TensorSpec((None, 1), tf.float32)
+    return tf.data.Dataset.from_generator(
+        lambda: (_cycle_batch(k) for k in range(7)), output_signature=(spec, spec)
+    ).repeat()
+
+
+@pytest.mark.parametrize(
+    "validation_kind, validation_steps", [("repeated_dataset", 3), ("py_dataset", 3), ("generator", 2)]
+)
+def test_each_epoch_trains_and_validates_on_the_batches_keras_takes(
+    validation_kind, validation_steps, multi_replica_strategy
+):
+    """An endless training generator with `steps_per_epoch` and a validation input with `validation_steps`.
+
+    Keras keeps the training iterator across epochs (epoch 2 starts at batch
+    5 of the cycle), but `evaluate` resets the cached validation iterator
+    each epoch (`epoch_iterator.reset()`): a repeated dataset or a
+    `PyDataset` starts again at its first batch, a generator first replays
+    the 2 batches Keras peeked at. Later batches of a validation generator
+    are not compared: where it goes on depends on how far tf.data's prefetch
+    read it before the reset, on one device as under a strategy (1 or 2
+    batches past those used, from run to run, in a probe of Keras 3.15.1).
+    """
+
+    def build(Model, **kwargs):
+        inputs = keras.Input((1,))
+        model = Model(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        return model
+
+    def train(model):
+        return model.fit(
+            _endless_generator(),
+            steps_per_epoch=5,
+            validation_data=_cycle_input(validation_kind),
+            validation_steps=validation_steps,
+            epochs=4,
+            shuffle=False,
+            verbose=0,
+        )
+
+    result = assert_matches_single_device(build, strategy=multi_replica_strategy, train=train, atol=1e-6, rtol=1e-6)
+    assert len(set(np.round(result.reference_results["loss"], 4))) == 4  # Each epoch trained on other batches.
