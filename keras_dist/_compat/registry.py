@@ -188,7 +188,8 @@ FIXES = {
             "first step fails: 'You must feed a value for placeholder tensor .../cond/Placeholder'.",
             remedy="The model's optimizers (compiled, or kept in its attributes) build themselves, when first "
             "applied in a replica context, once in cross-replica context and eagerly (merge_call, init_scope), "
-            "on the variables of that first apply.",
+            "on the variables of that first apply; on one replica eagerly too (init_scope), where Keras' "
+            "build in the trace lost what `build` assigns (ScheduleFreeAdamW's momentum).",
             checked_on=("3.10.0", "3.13.2", "3.15.1"),
             notes="keras-nightly 3.16.0.dev2026102704 does not reproduce the bug (the first step no longer fails with its message): the fix is off there; if Keras 3.16 is released so, the range ends at 3.16.",
             remove_when=_OPEN,
@@ -253,7 +254,8 @@ FIXES = {
             upstream="https://github.com/keras-team/keras/issues/17187 (also keras-team/keras#20045)",
             symptom="An optimizer constructed outside strategy.scope() keeps the default strategy "
             "and fails with 'Mixing different tf.distribute.Strategy objects'.",
-            remedy="compile() moves the optimizer and its variables onto the model's strategy.",
+            remedy="compile() moves the optimizer and its variables onto the model's strategy; a "
+            "MultiOptimizer's selector-held optimizers are moved as it builds.",
             checked_on=("3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704"),
             remove_when=_OPEN,
         ),

@@ -53,11 +53,12 @@ def distribute_state(model):
     moved = sum(variables.rehome(v, strategy) for v in owned.values())
     _decorrelate_seeds(model, owned.values())
     optimizers = _owned_optimizers(model)
-    multi_replica = variables.is_multi_replica(strategy)
     for optimizer in optimizers:
         if _compat.is_active("optimizer_strategy"):
             moved += variables.rehome_optimizer(optimizer, strategy)
-        if multi_replica and _compat.is_active("optimizer_built_in_step") and variables.build_outside_step(optimizer):
+        if _compat.is_active("optimizer_built_in_step") and variables.build_outside_step(
+            optimizer, without_strategy=True
+        ):  # On one replica too: an assign in `build` is lost when built in the trace (ScheduleFreeAdamW).
             _reset_step_functions(model, "train_function")
     if moved:
         for optimizer in optimizers:

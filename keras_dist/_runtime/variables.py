@@ -163,7 +163,7 @@ def reindex_optimizer(optimizer):
 _BUILDS_OUTSIDE_STEP = "_keras_dist_builds_outside_step"
 
 
-def build_outside_step(obj):
+def build_outside_step(obj, *, without_strategy=False):
     """Makes a Keras optimizer or layer create its variables outside the step function when built in one.
 
     Keras builds an optimizer lazily, in its first `apply`, and a layer in
@@ -181,8 +181,18 @@ def build_outside_step(obj):
     `fit`, with the paths Keras gives them. Overrides the instance's `build`
     only; idempotent.
 
+    With `without_strategy=True` (optimizers) a `build` called inside a
+    function with no strategy (one replica, or plain Keras on one device)
+    runs eagerly too (`tf.init_scope`). Keras on one device builds the
+    optimizer while tracing the first step, where what `build` assigns is
+    lost: ScheduleFreeAdamW's momentum, which must start at the weights,
+    stayed 0 (Keras 3.15.1; with `learning_rate=0` a Dense kernel went from
+    max |w| 0.79 to 0 in two steps), and its loss rose over 2 epochs (1.058,
+    1.094) where built before `fit` it fell (0.967, 0.852; a new-user probe).
+
     Args:
         obj: A `keras.optimizers.Optimizer` or `keras.layers.Layer`, built or not.
+        without_strategy: Boolean, also build eagerly when no strategy is set.
 
     Returns:
         Boolean, whether `obj` was changed now.
@@ -198,6 +208,9 @@ def build_outside_step(obj):
     @functools.wraps(build)  # Keras reads the signature to pass a layer's input shapes by name.
     def build_once_in_cross_replica_context(*args, **kwargs):
         context = tf.distribute.get_replica_context()
+        if without_strategy and tf.inside_function() and not tf.distribute.has_strategy():
+            with tf.init_scope():  # The same thread: Keras' name scopes hold.
+                return build(*args, **kwargs)
         if context is None or not tf.distribute.has_strategy() or not tf.inside_function():
             return build(*args, **kwargs)
         # Keras' name scopes are per thread, and the merge may run in another: the variables' paths need these.

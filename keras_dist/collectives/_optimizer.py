@@ -95,10 +95,54 @@ def _build_under_its_strategy(optimizer, *args, **kwargs):
     """
     keras_build = optimizer_patches.class_method(optimizer, "build")
     strategy = ki.optimizer_strategy(optimizer)
-    if tf.distribute.has_strategy() or strategy is None or not variables_module.is_multi_replica(strategy):
-        return keras_build(*args, **kwargs)
-    with strategy.scope():
-        return keras_build(*args, **kwargs)
+    with contextlib.ExitStack() as stack:
+        for opt in variables_module.nested_optimizers(optimizer):  # A MultiOptimizer in a LossScaleOptimizer too.
+            stack.enter_context(_selected_optimizers_on(opt, strategy))
+        if tf.distribute.has_strategy() or strategy is None or not variables_module.is_multi_replica(strategy):
+            return keras_build(*args, **kwargs)
+        with strategy.scope():
+            return keras_build(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _selected_optimizers_on(optimizer, strategy):
+    """While a `MultiOptimizer` builds, every optimizer its selector returns is moved onto `strategy` first.
+
+    `MultiOptimizer(lambda v: adam if "hid" in v.path else sgd)` holds `adam`
+    and `sgd` only in the selector until it is built: `compile` could not
+    move them as it moves the optimizer (`optimizer_strategy`), and on 2
+    replicas their `build` failed in `fit` ('Mixing different
+    tf.distribute.Strategy objects: MirroredStrategy ... is not
+    _DefaultDistributionStrategy'; a new-user probe). Here each one the
+    selector returns (its iterations, learning rate and strategy) is moved
+    before Keras builds it; one it makes in the call is already on it.
+    `OptimizerMap`'s optimizers are known at construction and moved by
+    `compile`. Anything else: Keras' `build` as is.
+    """
+    selector = optimizer.__dict__.get("_optimizer_map")
+    if (
+        optimizer.built
+        or not callable(selector)
+        or strategy is None
+        or not _compat.is_active("optimizer_strategy")
+        or not variables_module.is_multi_replica(strategy)
+    ):
+        yield
+        return
+    moved = set()
+
+    def select_on_strategy(variable):
+        selected = selector(variable)
+        if isinstance(selected, keras.optimizers.Optimizer) and id(selected) not in moved:
+            moved.add(id(selected))
+            variables_module.rehome_optimizer(selected, strategy)
+        return selected
+
+    optimizer.__dict__["_optimizer_map"] = select_on_strategy
+    try:
+        yield
+    finally:
+        optimizer.__dict__["_optimizer_map"] = selector
 
 
 def is_distributed_optimizer(optimizer):

@@ -15,6 +15,7 @@ from _support import sum_regression
 from keras import ops
 
 import keras_dist
+from keras_dist._runtime import variables as variables_module
 from keras_dist.collectives._optimizer import accumulation_saved_with_weights
 from keras_dist.testing import max_weight_difference
 
@@ -267,3 +268,120 @@ def test_loss_scale_optimizer_dynamic_scaling_matches_one_device(multi_replica_s
         )
     assert float(np.asarray(reference.optimizer.dynamic_scale)) != 2.0**6  # The scale did move.
     assert _replica_spread(model) == 0.0
+
+
+def _strategy_of(request, num_replicas):
+    """1: TensorFlow's default strategy (what `KERAS_DIST_CPU_REPLICAS=1` gives); else 2 or 3 mirrored CPU replicas."""
+    return tf.distribute.get_strategy() if num_replicas == 1 else _strategy(request, num_replicas)
+
+
+def _fit_evaluate_predict(model):
+    x, y = sum_regression(NUM_EXAMPLES, 4)
+    history = model.fit(x, y, batch_size=BATCH_SIZE, epochs=2, shuffle=False, verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=BATCH_SIZE, verbose=0, return_dict=True)
+    return {"history": history, "evaluate": evaluation, "predict": model.predict(x, batch_size=BATCH_SIZE, verbose=0)}
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2, 3])
+def test_schedule_free_adamw_left_to_fit_matches_one_device(request, num_replicas):
+    """A new-user probe: ScheduleFreeAdamW(0.02) compiled and left to `fit` was 0.768 off one device, on 1 replica too.
+
+    Keras on one device builds it while tracing the first step, where the
+    momentum `build` assigns (the weights) is lost and stays 0: its loss rose
+    (1.058, 1.094) while keras-dist's, built before the step as Keras builds
+    it under any strategy, fell (0.967, 0.852). The one-device reference of
+    `assert_matches_single_device` builds its optimizers outside the step.
+    """
+
+    def build_model(model_class, **kwargs):
+        model = _model(model_class, **kwargs)
+        model.compile(optimizer=O.ScheduleFreeAdamW(0.02), loss="mse", metrics=["mae"])
+        return model
+
+    keras_dist.testing.assert_matches_single_device(
+        build_model, strategy=_strategy_of(request, num_replicas), train=_fit_evaluate_predict, atol=1e-5
+    )
+
+
+class OwnScheduleFreeStep(keras_dist.DistributedModel):
+    """A model whose own train_step applies an optimizer kept in an attribute (first built in that step)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(3, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(1))
+        self.head = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2))
+        self.own_optimizer = O.ScheduleFreeAdamW(0.02)
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, self(x, training=True))
+        self.own_optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_optimizer_first_built_in_own_step_trains_the_same_on_one_and_several_replicas(request, num_replicas):
+    """ScheduleFreeAdamW applied in a train_step of one's own: 1 replica built it in the trace (momentum lost).
+
+    Several replicas built it outside the step (`optimizer_built_in_step`),
+    one replica in the trace, as Keras on one device: after 2 epochs the
+    kernels' absolute sums were 1.12 on 1 replica and 14.9 on 2. Now both
+    build outside the step; the reference is Keras with the optimizer built
+    before `fit`.
+    """
+    x, y = sum_regression(NUM_EXAMPLES, 4)
+    model = OwnScheduleFreeStep(strategy=_strategy_of(request, num_replicas))
+    model.compile()
+    model(x[:2])  # Builds the layers.
+    reference = _model(keras.Model)
+    reference.set_weights(model.get_weights())
+    optimizer = O.ScheduleFreeAdamW(0.02)
+    optimizer.build(reference.trainable_variables)
+    for start in range(0, NUM_EXAMPLES, BATCH_SIZE):
+        xb, yb = x[start : start + BATCH_SIZE], y[start : start + BATCH_SIZE]
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(yb, reference(xb, training=True))
+        optimizer.apply(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables)
+    model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-5
+    ours, theirs = _values(model.own_optimizer.variables), _values(optimizer.variables)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(ours, theirs) if a.size) < 1e-5
+
+
+def _selected_optimizers(case):
+    """`(optimizer, inner optimizers)` for `case`, every one created before `compile`, outside any scope."""
+    adam, sgd = O.Adam(0.02), O.SGD(0.1, momentum=0.9)
+    if case == "selector":
+        return O.MultiOptimizer(lambda v: adam if "hidden" in v.path else sgd), (adam, sgd)
+    if case == "optimizer_map":
+        return O.MultiOptimizer(O.OptimizerMap(sgd, {"hidden/.*": adam})), (adam, sgd)
+    return O.LossScaleOptimizer(adam), (adam,)
+
+
+@needs_multi_optimizer
+@pytest.mark.parametrize("case", ["selector", "optimizer_map", "loss_scale"])
+def test_inner_optimizers_created_outside_the_scope_match_one_device(multi_replica_strategy, case):
+    """A new-user probe: `MultiOptimizer(lambda v: adam if "hid" in v.path else sgd)`, both made before compile.
+
+    The selector holds them until the MultiOptimizer is built, so `compile`
+    did not move them onto the strategy, and `fit` failed on 2 replicas:
+    'Mixing different tf.distribute.Strategy objects: MirroredStrategy ...
+    is not _DefaultDistributionStrategy'. An `OptimizerMap`'s and a
+    `LossScaleOptimizer`'s inner optimizers are known at construction.
+    """
+
+    def build_model(model_class, **kwargs):
+        model = _model(model_class, **kwargs)
+        model.compile(optimizer=_selected_optimizers(case)[0], loss="mse")
+        return model
+
+    result = keras_dist.testing.assert_matches_single_device(
+        build_model, strategy=multi_replica_strategy, train=_fit_evaluate_predict, atol=1e-5
+    )
+    for inner in variables_module.nested_optimizers(result.model.optimizer)[1:]:
+        assert inner._distribution_strategy is multi_replica_strategy
+        assert all(isinstance(v.value, tf.distribute.DistributedValues) for v in inner.variables)
