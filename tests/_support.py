@@ -4,7 +4,9 @@ Importable from any test file as `from _support import ...` (tests/ is on the pa
 tests/conftest.py sits there).
 """
 
+import keras
 import numpy as np
+from keras import ops
 
 
 def sum_regression(num_examples, features, seed=0):
@@ -25,3 +27,11 @@ def sum_regression(num_examples, features, seed=0):
     """
     x = np.random.RandomState(seed).rand(num_examples, features).astype("float32")
     return x, x.sum(1, keepdims=True)
+
+
+class SummedActivity(keras.layers.Layer):
+    """keras.io's guide's `ActivityRegularizationLayer`: `add_loss(ops.sum(inputs) * 0.1)`, one number summed over the batch."""
+
+    def call(self, inputs):
+        self.add_loss(ops.sum(inputs) * 0.1)
+        return inputs

@@ -435,8 +435,12 @@ def _sum_share(summed, step):
     TFRS' in-batch softmax, corpus c24) has one value per global example, the
     same on every replica: by the example share.
     """
-    mine = tf.equal(tf.shape(summed, out_type=tf.int32)[0], tf.cast(step.num_examples, tf.int32))
-    return tf.where(mine, tf.constant(1.0), step.example_share())
+    return tf.where(_this_replicas_rows(summed, step), tf.constant(1.0), step.example_share())
+
+
+def _this_replicas_rows(tensor, step):
+    """bool scalar, at run time: `tensor` has as many rows as this replica has examples (not a gathered batch)."""
+    return tf.equal(tf.shape(tensor, out_type=tf.int32)[0], tf.cast(step.num_examples, tf.int32))
 
 
 def batch_sum_parts(value, step, dtype):
@@ -467,7 +471,7 @@ def batch_sum_parts(value, step, dtype):
         if rows is None:
             rest += term
             continue
-        mine = tf.equal(tf.shape(rows, out_type=tf.int32)[0], tf.cast(step.num_examples, tf.int32))
+        mine = _this_replicas_rows(rows, step)
         summed += tf.where(mine, term, tf.zeros_like(term))
         rest += tf.where(mine, tf.zeros_like(term), term)
     return summed, rest
@@ -553,8 +557,8 @@ def shared_tensor(value, step, dtype):
     """
     if per_example(value, step):
         return value
-    summed = _summed_over_batch_axis(value) if hasattr(value, "op") else None
-    share = _sum_share(summed, step) if summed is not None and _from_the_batch(summed, step) else step.example_share()
+    summed = _batch_sum(value, step) if hasattr(value, "op") else None
+    share = _sum_share(summed, step) if summed is not None else step.example_share()
     return _times_share(value, share, dtype)
 
 

@@ -13,6 +13,7 @@ without examples).
 import keras
 import numpy as np
 import pytest
+from _support import SummedActivity
 from keras import ops
 
 import keras_dist
@@ -85,14 +86,6 @@ def test_batch_mean_trains_to_one_devices_weights(mirrored_1x3_cpu):
 def test_batch_mean_is_the_mean_over_the_rows_outside_replica_context():
     values = np.arange(12, dtype="float32").reshape(4, 3)
     np.testing.assert_allclose(ops.convert_to_numpy(keras_dist.ops.batch_mean(values)), values.mean(axis=0))
-
-
-class SummedActivity(keras.layers.Layer):
-    """keras.io's guide's `ActivityRegularizationLayer`: `add_loss(ops.sum(inputs) * 0.1)`, one number summed over the batch."""
-
-    def call(self, inputs):
-        self.add_loss(ops.sum(inputs) * 0.1)
-        return inputs
 
 
 def test_a_layer_adding_a_sum_over_the_batch_counts_it_as_a_sum(mirrored_1x3_cpu):

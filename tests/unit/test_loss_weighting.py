@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _support import SummedActivity
 from keras import ops
 
 import keras_dist
@@ -1591,14 +1592,6 @@ def test_a_ratio_written_as_a_product_or_a_stack(mirrored_1x2_cpu, token_loss, w
     _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=written == "compiled")
 
 
-class _SummedActivity(keras.layers.Layer):
-    """keras.io's "Making new layers and models via subclassing": `ActivityRegularizationLayer`, a sum over the batch."""
-
-    def call(self, inputs):
-        self.add_loss(ops.sum(inputs) * 0.1)
-        return inputs
-
-
 class _StepAddingItsLayersLosses:
     """keras.io's "Customizing what happens in fit()" step, adding the layers' `self.losses` by hand."""
 
@@ -1629,7 +1622,7 @@ def test_user_step_adding_the_layers_losses(mirrored_1x3_cpu, added):
     def build(cls, kwargs):
         inputs = keras.Input((3,))
         if added == "summed_by_a_layer":
-            hidden = _SummedActivity()(keras.layers.Dense(4)(inputs))
+            hidden = SummedActivity()(keras.layers.Dense(4)(inputs))
         else:
             hidden = keras.layers.Dense(4, activity_regularizer="l2")(inputs)
         model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(hidden), **kwargs)
@@ -1743,7 +1736,7 @@ class _ComputeLossAfterTheModel:
         return {m.name: m.result() for m in self.metrics}
 
 
-@pytest.mark.parametrize("added", [_PerExamplePenalty, _SummedActivity], ids=["per_example", "summed_scalar"])
+@pytest.mark.parametrize("added", [_PerExamplePenalty, SummedActivity], ids=["per_example", "summed_scalar"])
 def test_compute_loss_after_the_model_with_added_sums(mirrored_1x3_cpu, added):
     """A new-user probe (probe 3): a layer's `add_loss` of one value per example, in a step that runs the model
     and then `self.compute_loss`, counted by the example share (7.9e-2 off in the weights, 6.3e-2 on even splits)."""
