@@ -52,6 +52,9 @@ QUIET_ENV = "KERAS_DIST_QUIET"
 # A directory: every `DistributedModel.fit` gets a `keras_dist.callbacks.Timeline(directory)` (each worker
 # writes timeline-<task_type>-<task_id>.json; the chief prints the straggler report), keras_dist.callbacks._timeline.
 TIMELINE_ENV = "KERAS_DIST_TIMELINE"
+# Test harness only (set by tests/conftest.py): a directory for zygote servers (keras_dist._zygote), each of
+# which imported TensorFlow once; `keras-dist launch` and `keras_dist.testing.run_workers` fork workers from them.
+ZYGOTE_ENV = "KERAS_DIST_ZYGOTE"
 
 ALL = (
     CPU_REPLICAS_ENV,
@@ -70,4 +73,5 @@ ALL = (
     FORCE_FIXES_ENV,
     QUIET_ENV,
     TIMELINE_ENV,
+    ZYGOTE_ENV,
 )

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from keras_dist._env import RESTART_COUNT_ENV as RESTART_COUNT_ENV  # Set by `keras-dist launch`; re-exported.
 
@@ -49,13 +50,24 @@ _OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 _GROUP_POLL_SECONDS = 0.05
 
 
-def signal_process_groups(processes: Iterable[subprocess.Popen], signum: int) -> None:
+class Process(Protocol):
+    """What the helpers below need of a process: `subprocess.Popen`, or `keras_dist._zygote.ZygoteProcess`."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def signal_process_groups(processes: Iterable[Process], signum: int) -> None:
     """Sends `signum` to the process group of each process (each started with `start_new_session=True`).
 
     A group whose every member has exited is skipped silently.
 
     Args:
-        processes: `subprocess.Popen` objects, each the leader of its own group.
+        processes: `subprocess.Popen` (or `ZygoteProcess`) objects, each the leader of its own group.
         signum: Integer, a signal number such as `signal.SIGTERM`.
     """
     for process in processes:
@@ -66,11 +78,11 @@ def signal_process_groups(processes: Iterable[subprocess.Popen], signum: int) ->
 
 
 def stop_process_groups(
-    processes: Iterable[subprocess.Popen],
+    processes: Iterable[Process],
     grace_period: float,
     *,
     signum: int = signal.SIGTERM,
-    on_overdue: Callable[[subprocess.Popen], None] | None = None,
+    on_overdue: Callable[[Process], None] | None = None,
 ) -> None:
     """Sends `signum` to each process's group, waits for the groups, SIGKILLs what is left, reaps the leaders.
 
@@ -81,8 +93,8 @@ def stop_process_groups(
     itself had already exited. Zombies do not count as members (Linux).
 
     Args:
-        processes: `subprocess.Popen` objects, each started with
-            `start_new_session=True` (its own process group).
+        processes: `subprocess.Popen` (or `ZygoteProcess`) objects, each
+            started with `start_new_session=True` (its own process group).
         grace_period: Float >= 0, seconds from `signum` to SIGKILL.
         signum: Integer, the first signal. Defaults to SIGTERM.
         on_overdue: Called with each process whose leader was still running

@@ -27,12 +27,6 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 
-def pytest_configure(config):
-    # Not in pyproject.toml: naming the category there imports keras_dist (and TensorFlow) before
-    # this file sets TF_ENABLE_ONEDNN_OPTS above, and oneDNN was then on wherever the shell left it unset.
-    config.addinivalue_line("filterwarnings", "error::keras_dist.errors.KerasDistWarning")
-
-
 def mirrored(num_replicas):
     return tf.distribute.MirroredStrategy(
         [f"/cpu:{i}" for i in range(num_replicas)],
@@ -116,3 +110,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(STACKS_SUBSET) and not item.nodeid.startswith(STACKS_SUBSET_EXCEPT):
             item.add_marker(pytest.mark.stacks)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--no-zygote",
+        action="store_true",
+        help="start every worker as a new interpreter, not forked from the session's zygote server",
+    )
+
+
+# Multi-worker tests start two or three workers each, and each new interpreter spends about 8 CPU seconds
+# importing TensorFlow and Keras: over a third of CI's CPU. A session that may run them sets KERAS_DIST_ZYGOTE
+# to a directory of its own (here, before the test modules build their environments at collection); then
+# `run_workers` and `keras-dist launch` fork their workers from zygote servers (keras_dist._zygote), one per
+# environment, each of which imports them once. `--no-zygote` starts every worker as a new interpreter.
+_ZYGOTE_DIRECTORY = []
+
+
+def _may_run_multi_worker_tests(config):
+    markexpr = config.getoption("markexpr") or ""
+    return "not multi_worker" not in markexpr and not config.getoption("collectonly")
+
+
+def pytest_configure(config):
+    # Not in pyproject.toml: naming the category there imports keras_dist (and TensorFlow) before
+    # this file sets TF_ENABLE_ONEDNN_OPTS above, and oneDNN was then on wherever the shell left it unset.
+    config.addinivalue_line("filterwarnings", "error::keras_dist.errors.KerasDistWarning")
+    if config.getoption("--no-zygote") or not _may_run_multi_worker_tests(config):
+        return
+    import tempfile
+
+    from keras_dist import _env, _zygote
+
+    _ZYGOTE_DIRECTORY.append(tempfile.mkdtemp(prefix="keras-dist-zygote-"))
+    _zygote.set_owner(_ZYGOTE_DIRECTORY[0])  # The servers exit with this session, also when it is killed.
+    os.environ[_env.ZYGOTE_ENV] = _ZYGOTE_DIRECTORY[0]
+
+
+def pytest_unconfigure(config):
+    if _ZYGOTE_DIRECTORY:
+        from keras_dist import _zygote
+
+        _zygote.stop_servers(_ZYGOTE_DIRECTORY.pop())

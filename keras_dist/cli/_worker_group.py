@@ -6,16 +6,21 @@ them (no zombies, no orphans), also when the launcher raises.
 Must not: import TensorFlow or Keras, or build TF_CONFIG (see `launch.py`).
 
 Each worker runs in its own session, so it is also its own process group;
-signals go to the whole group, which reaches the worker's children too.
+signals go to the whole group, which reaches the worker's children too. Under the
+test suite (`KERAS_DIST_ZYGOTE` set), workers are forked from its zygote servers
+(`keras_dist._zygote`) instead; a user's launch never sets it.
 """
 
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+from keras_dist._env import ZYGOTE_ENV
 from keras_dist._process import RESTART_EXIT_STATUS, signal_process_groups, stop_process_groups
+from keras_dist._zygote import spawn
 
 _POLL_SECONDS = 0.1
 _READER_JOIN_SECONDS = 5.0
@@ -103,20 +108,44 @@ class WorkerGroup:
                 reader.join(_READER_JOIN_SECONDS)
 
     def _start(self, task_id, command, env):
-        proc = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = self._fork_from_zygote(command, env)
+        if proc is None:
+            proc = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self._processes[task_id] = proc
         reader = threading.Thread(
             target=self._relay_output, args=(task_id, proc.stdout), name=f"keras-dist-worker-{task_id}", daemon=True
         )
         reader.start()
         self._readers.append(reader)
+
+    @staticmethod
+    def _fork_from_zygote(command, env):
+        """The worker forked by a zygote server of the test suite (`KERAS_DIST_ZYGOTE`), or `None` (users: always)."""
+        if not env.get(ZYGOTE_ENV):
+            return None
+        read_end, write_end = os.pipe()
+        with open(os.devnull, "rb") as devnull:
+            proc = spawn(
+                command,
+                env=env,
+                stdin=devnull.fileno(),
+                stdout=write_end,
+                stderr=write_end,
+                directory=env[ZYGOTE_ENV],
+            )
+        os.close(write_end)
+        if proc is None:
+            os.close(read_end)
+            return None
+        proc.stdout = os.fdopen(read_end, "rb")
+        return proc
 
     def _supervise(self):
         while True:

@@ -11,7 +11,9 @@ from keras_dist.testing import clean_env, run_launcher
 pytestmark = pytest.mark.multi_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
-ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
+# New interpreters, not forked from the session's zygote server (tests/conftest.py): the preempted worker
+# signals its parent, which must be the launcher.
+ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1", KERAS_DIST_ZYGOTE=None)
 
 
 def _launch(out_dir, scenario, *options):

@@ -1,7 +1,10 @@
 """keras_dist.testing: the single-device comparison passes when it should and fails when it should;
 the worker runners report failures, stop hung workers at the timeout and leave no process behind."""
 
+import glob
+import os
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -12,6 +15,7 @@ import tensorflow as tf
 from keras import ops
 
 import keras_dist
+from keras_dist import _env, _zygote
 from keras_dist.testing import (
     assert_matches_single_device,
     clean_env,
@@ -195,8 +199,28 @@ def _pid(tmp_path, name):
     return int((tmp_path / name).read_text())
 
 
+@pytest.fixture(scope="module")
+def _zygote_directory():
+    directory = tempfile.mkdtemp(prefix="kd-zygote-")
+    _zygote.set_owner(directory)
+    yield directory
+    _zygote.stop_servers(directory)
+
+
+@pytest.fixture(params=["new_interpreter", "zygote"])
+def worker_start(request, monkeypatch, _zygote_directory):
+    """Each runner test twice: workers as new interpreters, and forked from a zygote server (the suite's way)."""
+    if request.param == "zygote":
+        monkeypatch.setenv(_env.ZYGOTE_ENV, _zygote_directory)
+    else:
+        monkeypatch.delenv(_env.ZYGOTE_ENV, raising=False)
+    yield request.param
+    if request.param == "zygote":
+        assert glob.glob(os.path.join(_zygote_directory, "*.socket")), "no zygote server was started"
+
+
 @pytest.mark.timeout(60)
-def test_run_workers_reports_each_status_and_output(tmp_path):
+def test_run_workers_reports_each_status_and_output(tmp_path, worker_start):
     script = _script(
         tmp_path,
         """
@@ -213,7 +237,7 @@ def test_run_workers_reports_each_status_and_output(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_run_workers_stops_the_others_when_one_fails(tmp_path):
+def test_run_workers_stops_the_others_when_one_fails(tmp_path, worker_start):
     script = _script(
         tmp_path,
         """
@@ -234,7 +258,7 @@ def test_run_workers_stops_the_others_when_one_fails(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_run_workers_kills_a_hung_worker_and_its_children_at_the_timeout(tmp_path):
+def test_run_workers_kills_a_hung_worker_and_its_children_at_the_timeout(tmp_path, worker_start):
     script = _script(
         tmp_path,
         """
@@ -255,7 +279,7 @@ def test_run_workers_kills_a_hung_worker_and_its_children_at_the_timeout(tmp_pat
 
 
 @pytest.mark.timeout(60)
-def test_run_workers_starts_only_the_given_tasks(tmp_path):
+def test_run_workers_starts_only_the_given_tasks(tmp_path, worker_start):
     script = _script(tmp_path, "print(os.environ['TF_CONFIG'])\n")
     result = run_workers(script, [str(tmp_path)], num_workers=3, task_ids=[1], timeout=40)
     assert [w.task_id for w in result.workers] == [1] and result.ok
@@ -263,7 +287,7 @@ def test_run_workers_starts_only_the_given_tasks(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_run_launcher_returns_the_failing_status_and_stops_hung_workers_at_the_timeout(tmp_path):
+def test_run_launcher_returns_the_failing_status_and_stops_hung_workers_at_the_timeout(tmp_path, worker_start):
     script = _script(tmp_path, "sys.exit(3 if TASK_ID == 1 else 0)\n")
     failed = run_launcher(["--num-workers", "2", str(script), str(tmp_path)], timeout=40)
     assert failed.returncode == 3 and not failed.timed_out, failed.stderr
