@@ -1,34 +1,39 @@
 """Base layer: start Python workers from a process that has imported TensorFlow once (a test harness's zygote).
 
-Owns: the zygote server (`python -m keras_dist._zygote SOCKET`), which imports
-the modules every worker imports (TensorFlow and Keras by default, about 8 CPU
-seconds a process on a small machine) and then forks one child per request, each
-a fresh program: its own session, standard streams, environment, working
-directory, `sys.argv` and `sys.path[0]`, reseeded random generators, and the
-interpreter's normal exit (atexit handlers, non-daemon threads, flushed
-streams); and the client, `spawn`, which asks a server for a worker and returns
-a `ZygoteProcess` (what `subprocess.Popen` offers the launcher and the test
-runners: `pid`, `poll`, `wait`, `returncode`). Must not: import TensorFlow or
-Keras in the client (the launcher runs without them); serve a request whose
-environment could have changed what the server imported (the client then
-starts the worker with `subprocess.Popen` as before).
+Owns: the zygote server (this file run as a script by `start_server`), which
+imports the modules every worker imports (TensorFlow and Keras, about 8 CPU
+seconds a process on a small machine), listens on a Unix socket, and forks one
+child per request, each a fresh program: its own session, standard streams,
+environment, working directory, `sys.argv`, `sys.path`, reseeded random
+generators, and the interpreter's normal exit (atexit handlers, non-daemon
+threads, flushed streams); and the client, `spawn`, which finds or starts the
+server for a worker's environment in a directory, asks it for the worker, and
+returns a `ZygoteProcess` (what `subprocess.Popen` offers the launcher and the
+test runners: `pid`, `poll`, `wait`, `returncode`). Must not: import TensorFlow
+or Keras in the client (the launcher runs without them), or import the keras_dist
+package in the server (its import applies the first worker's variables); serve a
+request whose environment differs from the server's in a variable that may be
+read at import (`read_at_import`: such an environment gets a server of its own).
 
-Who uses it: the test suite. `tests/conftest.py` starts one server for a session
-that runs multi-worker tests and sets `KERAS_DIST_ZYGOTE` to its socket; then
+Who uses it: the test suite. `tests/conftest.py` sets `KERAS_DIST_ZYGOTE` to a
+directory for a session that may run multi-worker tests; then
 `keras_dist.testing.run_workers` and `keras-dist launch` (`cli/_worker_group.py`)
-start their workers through it. Nothing else sets the variable, so a user's
-launch always starts its workers with `subprocess.Popen`.
+start their workers through it, and the session stops the servers at its end
+(they also exit with it when it is killed: `set_owner`). Nothing else sets the
+variable, so a user's launch always starts its workers with `subprocess.Popen`.
 
 Why not `multiprocessing`'s forkserver: it runs a pickled Python function, not a
 script; only the process that started it can use it (here the launcher, a
-separate process, must); and its children leave with `os._exit` after the
-function, so a worker's atexit handlers and non-daemon threads would not run as
-they do in `python script.py`.
+separate process, must); it serves one environment; and its children leave with
+`os._exit` after the function, so a worker's atexit handlers and non-daemon
+threads would not run as they do in `python script.py`.
 
-What happens on each worker: nothing is exchanged between workers; a worker
-started here differs from one started by `subprocess.Popen` only in that its
-parent is the server, not the caller (the caller learns its exit status from
-the server).
+What happens on each worker: nothing is exchanged between workers. A worker
+started here differs from one started by `subprocess.Popen` in that its parent
+is the server, not the caller (the caller learns its exit status from the
+server; a worker that signals `os.getppid()` reaches the server, so a test that
+does so starts its workers as new interpreters), and in that the preloaded
+modules are already in `sys.modules` when its script starts.
 """
 
 from __future__ import annotations
@@ -78,10 +83,10 @@ _READ_LATER = ("TF_CONFIG", "PYTHONUNBUFFERED", "PYTHONPATH")
 _MAX_MESSAGE = 1 << 17  # Bytes: a request is one datagram (the environment, about 5 KB, and the command).
 _REQUEST_SECONDS = 60.0  # The first request waits for the server's preload (about 8 s on 2 cores).
 _START_SECONDS = 10.0  # For a new server's socket to appear.
-_IDLE_EXIT_SECONDS = 1800.0
+_IDLE_EXIT_SECONDS = 1800.0  # A server left behind (no owner set, its client killed) exits after this long idle.
 _OWNER_FILE = "owner.pid"
 # A worker's exit status when its server exited first (no one can learn it then): EX_SOFTWARE (sysexits.h).
-UNKNOWN_STATUS = 70  # A server left behind (its owner killed) exits after this long without requests.
+UNKNOWN_STATUS = 70
 _POLL_SECONDS = 0.05
 
 
