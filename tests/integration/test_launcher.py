@@ -19,7 +19,9 @@ from keras_dist.testing import clean_env, run_launcher
 pytestmark = pytest.mark.multi_worker
 
 LAUNCHER = [sys.executable, "-m", "keras_dist.cli", "launch"]
-ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
+# New interpreters, as a user's launch starts them: the launcher's own tests keep that path covered on
+# workers (the rest of the tier forks its workers from the session's zygote servers, tests/conftest.py).
+ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1", KERAS_DIST_ZYGOTE=None)
 
 # Shared by the worker scripts: who am I, and a helper to wait for a file.
 PREAMBLE = """
