@@ -28,7 +28,8 @@ _POLL_SECONDS = 0.05
 _SESSION_PREFIX = _env.PREFIX
 _DEFAULTS = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPP_MIN_LOG_LEVEL": "2"}
 # Kept: which compat fixes this stack runs (the CI of a stack outside their verified ranges sets it), and the
-# test session's zygote server (keras_dist._zygote: workers forked from a process that imported TensorFlow).
+# test session's directory of zygote servers (keras_dist._zygote: workers forked from a process that imported
+# TensorFlow).
 _PASSED_THROUGH = (_env.FORCE_FIXES_ENV, _env.ZYGOTE_ENV)
 
 
@@ -160,9 +161,10 @@ def run_workers(
     its own session. Where the environment has `KERAS_DIST_ZYGOTE` (the test
     suite sets it: `keras_dist._zygote`), the workers are forked from a server
     that imported TensorFlow and Keras once for their environment, instead of
-    each starting a new interpreter (about 8 CPU seconds each less). Unlike the launcher, this keeps each worker's exit status
-    and output apart, and can leave the survivors running when one fails
-    (`stop_on_failure=False`), for fault-injection tests. When it returns, every
+    each starting a new interpreter (about 8 CPU seconds each less). Unlike
+    the launcher, this keeps each worker's exit status and output apart, and
+    can leave the survivors running when one fails (`stop_on_failure=False`),
+    for fault-injection tests. When it returns, every
     worker and every process a worker started is gone: after the timeout or on
     stopping, each worker's process group gets SIGTERM, then SIGKILL after
     `grace_period` seconds.
