@@ -543,10 +543,11 @@ def _become_worker(request: dict, fds: Sequence[int], base_path: Sequence[str]) 
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     unbuffered = request["unbuffered"] or bool(request["env"].get("PYTHONUNBUFFERED"))
-    encoding = sys.stdout.encoding  # The locale's, as the server's environment (LANG, LC_*) is the worker's.
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=encoding)
-    sys.stdout = _text_stream(1, encoding, unbuffered, line_buffering=os.isatty(1), errors="strict")
-    sys.stderr = _text_stream(2, encoding, unbuffered, line_buffering=True, errors="backslashreplace")
+    # Encodings and error handlers as the interpreter chose them for the server: its LANG and LC_* are the worker's.
+    encoding, errors = sys.stdout.encoding, (sys.stdin.errors, sys.stdout.errors, sys.stderr.errors)
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding, errors[0])
+    sys.stdout = _text_stream(1, encoding, unbuffered, line_buffering=os.isatty(1), errors=errors[1])
+    sys.stderr = _text_stream(2, encoding, unbuffered, line_buffering=True, errors=errors[2])
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
     program = request.get("script") or request["module"]
     sys.argv = [program, *request["args"]]
@@ -564,7 +565,9 @@ def _become_worker(request: dict, fds: Sequence[int], base_path: Sequence[str]) 
         sys.modules["numpy"].random.seed()
 
 
-def _text_stream(fd: int, encoding: str, unbuffered: bool, *, line_buffering: bool, errors: str) -> io.TextIOWrapper:
+def _text_stream(
+    fd: int, encoding: str, unbuffered: bool, *, line_buffering: bool, errors: str | None
+) -> io.TextIOWrapper:
     """A text stream on `fd` as the interpreter makes `sys.stdout`/`sys.stderr` (`-u`: no binary buffer)."""
     raw = io.FileIO(fd, "w", closefd=False)
     buffer: typing.BinaryIO = raw if unbuffered else io.BufferedWriter(raw)
@@ -590,9 +593,34 @@ def _main(argv: Sequence[str]) -> None:
     if request is None:
         return
     if "script" in request:
-        runpy.run_path(request["script"], run_name="__main__")
+        _run_script(request["script"])
     else:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+def _run_script(path: str) -> None:
+    """Runs the file at `path` as `python path` runs it: a new `__main__`, `__file__` absolute, argv as given.
+
+    (`runpy.run_path` would set `sys.argv[0]` and `__file__` to the path as passed, and keep its own frames
+    and the server's `__main__` around the script.)
+    """
+    import builtins
+    import importlib.machinery
+    import types
+
+    filename = os.path.abspath(path)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=filename,
+        __cached__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", filename),
+        __spec__=None,
+        __builtins__=builtins,
+    )
+    sys.modules["__main__"] = main
+    with io.open_code(filename) as f:
+        code = compile(f.read(), filename, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
 
 
 if __name__ == "__main__":

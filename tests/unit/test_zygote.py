@@ -27,7 +27,9 @@ state = {
     "preloaded": preloaded,
     "keras_dist_imported": "keras_dist" in sys.modules,
     "argv": sys.argv,
-    "path0": sys.path[0],
+    "path0": os.path.relpath(sys.path[0], os.getcwd()),
+    "file": [os.path.isabs(__file__), os.path.relpath(__file__, os.getcwd())],
+    "stdio": [[s.encoding, s.errors, s.line_buffering] for s in (sys.stdin, sys.stdout, sys.stderr)],
     "pythonpath_entry": os.environ["EXTRA_DIR"] in sys.path,
     "cwd": os.getcwd(),
     "name": __name__,
@@ -70,28 +72,27 @@ def _run_probe(tmp_path, env):
     out = tmp_path / "out"
     out.mkdir()
     env = {**env, "EXTRA_DIR": str(extra), "PYTHONPATH": str(extra)}
-    result = run_workers(script, [str(out), "an argument"], cpu_replicas=2, env=env, cwd=tmp_path, timeout=90)
+    relative = os.path.relpath(script, tmp_path)  # As `python scripts/probe.py` from tmp_path.
+    result = run_workers(relative, [str(out), "an argument"], cpu_replicas=2, env=env, cwd=tmp_path, timeout=90)
     assert result.ok, result.describe()
     states = [json.loads((out / f"worker-{i}.json").read_text()) for i in range(2)]
     for i in range(2):
         assert (out / f"worker-{i}.atexit").read_text() == "ran"  # the interpreter's exit ran its handlers
         assert (out / f"worker-{i}.thread").read_text() == "joined"  # and waited for its non-daemon thread
-    return result, states, script
+    return result, states
 
 
 @pytest.mark.timeout(120)
 def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path, zygote_directory):
-    fresh, fresh_states, script = _run_probe(tmp_path / "fresh", clean_env())
-    forked, forked_states, forked_script = _run_probe(
-        tmp_path / "forked", clean_env(**{_env.ZYGOTE_ENV: zygote_directory})
-    )
+    fresh, fresh_states = _run_probe(tmp_path / "fresh", clean_env())
+    forked, forked_states = _run_probe(tmp_path / "forked", clean_env(**{_env.ZYGOTE_ENV: zygote_directory}))
     assert [s["preloaded"] for s in fresh_states] == [False, False]
     assert [s["preloaded"] for s in forked_states] == [True, True], "the workers were not forked from the server"
     for fresh_state, forked_state, i in zip(fresh_states, forked_states, range(2)):
-        assert forked_state["argv"] == [str(forked_script), str(tmp_path / "forked" / "out"), "an argument"]
-        assert forked_state["path0"] == str(forked_script.parent)
+        assert forked_state["argv"] == ["scripts/probe.py", str(tmp_path / "forked" / "out"), "an argument"]
         assert forked_state["cwd"] == str(tmp_path / "forked")
-        for name in ("keras_dist_imported", "pythonpath_entry", "name", "own_session", "process_group"):
+        same = ("keras_dist_imported", "pythonpath_entry", "name", "own_session", "process_group", "path0", "file")
+        for name in (*same, "stdio"):
             assert forked_state[name] == fresh_state[name], (name, i)
         assert forked_state["cpu_replicas"] == "2" and forked_state["stdin"] == ""
     assert forked_states[0]["numpy_draw"] != forked_states[1]["numpy_draw"]  # each child reseeded
