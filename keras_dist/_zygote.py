@@ -88,6 +88,7 @@ _OWNER_FILE = "owner.pid"
 # A worker's exit status when its server exited first (no one can learn it then): EX_SOFTWARE (sysexits.h).
 UNKNOWN_STATUS = 70
 _POLL_SECONDS = 0.05
+_HASH_SEED = "PYTHONHASHSEED"
 
 
 def read_at_import(name: str) -> bool:
@@ -206,6 +207,10 @@ class _Connection:
                 if reply is not None and "exited" not in reply:
                     return reply
 
+    def close(self) -> None:
+        self.closed = True
+        self._sock.close()
+
     def read_statuses(self) -> None:
         with self._lock:
             while self._next_message(block=False) is not None:
@@ -255,6 +260,7 @@ def spawn(
     stderr: int,
     cwd: str | os.PathLike[str] | None = None,
     directory: str | None = None,
+    slot: int = 0,
 ) -> ZygoteProcess | None:
     """Starts `command` forked from a zygote server in `directory`; `None` where none can run it.
 
@@ -273,6 +279,12 @@ def spawn(
         stdin, stdout, stderr: Integer file descriptors of the worker's streams.
         cwd: The worker's working directory. Defaults to this process's.
         directory: String, the servers' directory. Defaults to `$KERAS_DIST_ZYGOTE`.
+        slot: Integer >= 0, the worker's place among those started together
+            (its task index). Each slot has a server of its own, with its own
+            hash seed, so that workers started together iterate sets and dicts
+            of strings in different orders, as new interpreters would (a hash
+            seed is fixed when an interpreter starts; children of one server
+            share it). Defaults to 0.
 
     Returns:
         `ZygoteProcess`, or `None` (start the worker with `subprocess.Popen`)
@@ -287,7 +299,7 @@ def spawn(
         return None
     import_env = _import_env(env)
     try:
-        socket_path = _server_for(directory, env, import_env)
+        socket_path = _server_for(directory, env, import_env, slot)
         with _connections_lock:
             connection = _connections.get(socket_path)
             if connection is None:
@@ -304,20 +316,22 @@ def spawn(
     except (OSError, ConnectionError, ValueError):
         with _connections_lock:
             for path in [path for path in _connections if path.startswith(directory)]:
-                del _connections[path]  # A dead server's connection: the next request connects again.
+                # Closed, so that the server drops a request it reads later (`_hung_up`): the caller starts
+                # this worker itself. The next request connects again.
+                _connections.pop(path).close()
         return None
     if "pid" not in reply:
         return None
     return ZygoteProcess(connection, list(command), reply["pid"])
 
 
-def _server_for(directory: str, env: Mapping[str, str], import_env: Mapping[str, str]) -> str:
+def _server_for(directory: str, env: Mapping[str, str], import_env: Mapping[str, str], slot: int) -> str:
     """The socket of `directory`'s server for `import_env`, started if there is none yet.
 
     Raises:
         OSError: `directory` is gone, or the server's socket did not appear in time.
     """
-    key = hashlib.sha256(json.dumps([sys.executable, sorted(import_env.items())]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([sys.executable, sorted(import_env.items()), slot]).encode()).hexdigest()[:16]
     socket_path = os.path.join(directory, f"{key}.socket")
     if not os.path.exists(socket_path):
         try:  # The first client to create the pid file starts the server; the others wait for its socket.
@@ -326,7 +340,9 @@ def _server_for(directory: str, env: Mapping[str, str], import_env: Mapping[str,
             pass
         else:
             server_env = {name: value for name, value in env.items() if name != "TF_CONFIG"}
-            server = start_server(socket_path, server_env)
+            if _HASH_SEED not in server_env:  # A seed of its own, as a new interpreter draws one.
+                server_env[_HASH_SEED] = str(int.from_bytes(os.urandom(4), "little"))
+            server = start_server(socket_path, server_env, import_env=import_env)
             os.write(fd, str(server.pid).encode())
             os.close(fd)
         deadline = time.monotonic() + _START_SECONDS
@@ -411,7 +427,11 @@ def _alive(pid: int) -> bool:
 
 
 def start_server(
-    socket_path: str, env: Mapping[str, str], preload: Sequence[str] = DEFAULT_PRELOAD
+    socket_path: str,
+    env: Mapping[str, str],
+    preload: Sequence[str] = DEFAULT_PRELOAD,
+    *,
+    import_env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen:
     """Starts a zygote server as a subprocess; returns it (stop it with `terminate()`).
 
@@ -426,12 +446,21 @@ def start_server(
             of the workers it will start.
         preload: Module names to import before forking. Defaults to TensorFlow
             and Keras.
+        import_env: The variables requests must carry (see `read_at_import`).
+            Defaults to those of `env` (`spawn` passes the worker's, without
+            the hash seed it drew for the server).
     """
     # The file, not `-m keras_dist._zygote`: importing the package would import TensorFlow and apply
     # keras_dist's variables in the server, before any worker's environment is known.
     with open(f"{socket_path}.log", "ab") as log:  # What the server itself prints (TensorFlow's import, errors).
         return subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), socket_path, ",".join(preload), json.dumps(_import_env(env))],
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                socket_path,
+                ",".join(preload),
+                json.dumps(dict(_import_env(env) if import_env is None else import_env)),
+            ],
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -481,6 +510,10 @@ def serve(socket_path: str, preload: Sequence[str], import_env: Mapping[str, str
                 sock.close()
                 continue
             request = json.loads(data)
+            if _hung_up(sock):  # The client gave up waiting (the preload was slow) and started it itself.
+                for fd in fds:
+                    os.close(fd)
+                continue
             refusal = _refusal(request, import_env, fds)
             if refusal:
                 for fd in fds:
@@ -509,6 +542,13 @@ def serve(socket_path: str, preload: Sequence[str], import_env: Mapping[str, str
             if requester is not None and requester in clients:
                 _send(requester, {"exited": pid, "status": os.waitstatus_to_exitcode(status)})
     return None  # The directory was removed, its owner exited, or nobody asked for a long time: exit.
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer of `sock` has closed its end (requests it sent before are still readable)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLHUP | getattr(select, "POLLRDHUP", 0))
+    return any(events & (select.POLLHUP | getattr(select, "POLLRDHUP", 0)) for _, events in poller.poll(0))
 
 
 def _refusal(request: dict, import_env: Mapping[str, str], fds: Sequence[int]) -> str:
@@ -557,7 +597,7 @@ def _become_worker(request: dict, fds: Sequence[int], base_path: Sequence[str]) 
         *([program] if "script" in request else ["-m", program]),
         *request["args"],
     ]
-    first = os.path.dirname(os.path.abspath(program)) if "script" in request else os.getcwd()
+    first = os.path.dirname(os.path.realpath(program)) if "script" in request else os.getcwd()
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *extra, *base_path]
     random.seed()
@@ -609,6 +649,12 @@ def _run_script(path: str) -> None:
     import types
 
     filename = os.path.abspath(path)
+    try:
+        with io.open_code(filename) as f:
+            source = f.read()
+    except OSError as e:  # As the interpreter says it, with its status.
+        sys.stderr.write(f"{sys.executable}: can't open file {filename!r}: [Errno {e.errno}] {e.strerror}\n")
+        sys.exit(2)
     main = types.ModuleType("__main__")
     main.__dict__.update(
         __file__=filename,
@@ -618,9 +664,7 @@ def _run_script(path: str) -> None:
         __builtins__=builtins,
     )
     sys.modules["__main__"] = main
-    with io.open_code(filename) as f:
-        code = compile(f.read(), filename, "exec", dont_inherit=True)
-    exec(code, main.__dict__)
+    exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class WorkerGroup:
                 reader.join(_READER_JOIN_SECONDS)
 
     def _start(self, task_id, command, env):
-        proc = self._fork_from_zygote(command, env)
+        proc = self._fork_from_zygote(command, env, task_id)
         if proc is None:
             proc = subprocess.Popen(
                 command,
@@ -126,7 +126,7 @@ class WorkerGroup:
         self._readers.append(reader)
 
     @staticmethod
-    def _fork_from_zygote(command, env):
+    def _fork_from_zygote(command, env, task_id):
         """The worker forked by a zygote server of the test suite (`KERAS_DIST_ZYGOTE`), or `None` (users: always)."""
         if not env.get(ZYGOTE_ENV):
             return None
@@ -139,6 +139,7 @@ class WorkerGroup:
                 stdout=write_end,
                 stderr=write_end,
                 directory=env[ZYGOTE_ENV],
+                slot=task_id,
             )
         os.close(write_end)
         if proc is None:

@@ -227,6 +227,7 @@ def run_workers(
                     stdout=logs[i].fileno(),
                     stderr=logs[i].fileno(),
                     directory=base_env.get(_env.ZYGOTE_ENV),
+                    slot=i,
                 )
             processes[i] = forked or subprocess.Popen(
                 command,

@@ -38,6 +38,7 @@ state = {
     "cpu_replicas": os.environ.get("KERAS_DIST_CPU_REPLICAS"),
     "stdin": sys.stdin.read(),
     "numpy_draw": int(np.random.randint(1 << 30)),
+    "str_hash": hash("kernel"),
 }
 def at_exit():
     with open(out + ".atexit", "w") as f:
@@ -96,6 +97,8 @@ def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path, zygote_dire
             assert forked_state[name] == fresh_state[name], (name, i)
         assert forked_state["cpu_replicas"] == "2" and forked_state["stdin"] == ""
     assert forked_states[0]["numpy_draw"] != forked_states[1]["numpy_draw"]  # each child reseeded
+    for states in (fresh_states, forked_states):  # a hash seed per worker: sets of strings iterate differently
+        assert states[0]["str_hash"] != states[1]["str_hash"]
     for result in (fresh, forked):
         assert [w.output for w in result.workers] == ["to stdout\nto stderr\n"] * 2
 
@@ -113,15 +116,20 @@ if how == "signal":
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("how", "status"), [("exception", 1), ("exit", 3), ("signal", -signal.SIGKILL), ("end", 0)])
+@pytest.mark.parametrize(
+    ("how", "status"), [("exception", 1), ("exit", 3), ("signal", -signal.SIGKILL), ("end", 0), ("missing", 2)]
+)
 def test_a_forked_worker_exits_with_the_status_a_new_interpreter_would(tmp_path, zygote_directory, how, status):
     script = tmp_path / "exits.py"
-    script.write_text(EXITS)
+    if how != "missing":
+        script.write_text(EXITS)
     result = run_workers(script, [how], num_workers=1, env=clean_env(**{_env.ZYGOTE_ENV: zygote_directory}), timeout=60)
     assert result[0].returncode == status, result.describe()
     if how == "exception":
         assert "RuntimeError: raised by the worker" in result[0].output
         assert result[0].output.startswith("Traceback (most recent call last):")
+    if how == "missing":
+        assert f"can't open file '{script}': [Errno 2] No such file or directory" in result[0].output
 
 
 @pytest.mark.timeout(120)
@@ -207,5 +215,24 @@ def test_a_worker_whose_server_died_ends_with_a_status_that_says_so(tmp_path, ca
         result = run_workers(script, num_workers=1, env=clean_env(**{_env.ZYGOTE_ENV: directory}), timeout=60)
         assert result[0].returncode == _zygote.UNKNOWN_STATUS and not result[0].timed_out, result.describe()
         assert "the zygote server exited before worker" in capsys.readouterr().err
+    finally:
+        _zygote.stop_servers(directory)
+
+
+@pytest.mark.timeout(120)
+def test_a_request_its_client_gave_up_on_is_not_started(tmp_path, monkeypatch):
+    """A client that stops waiting for a slow preload starts the worker itself; the server must not too."""
+    directory = tempfile.mkdtemp(prefix="kd-zygote-")
+    try:
+        script = tmp_path / "count.py"
+        script.write_text("import os, sys; open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close()")
+        out = tmp_path / "out"
+        out.mkdir()
+        env = clean_env(**{_env.ZYGOTE_ENV: directory})
+        monkeypatch.setattr(_zygote, "_REQUEST_SECONDS", 1.0)  # the server's import takes longer
+        assert run_workers(script, [str(out)], num_workers=1, env=env, timeout=60).ok
+        monkeypatch.setattr(_zygote, "_REQUEST_SECONDS", 60.0)
+        assert run_workers(script, [str(out)], num_workers=1, env=env, timeout=60).ok  # served once imported
+        assert len(os.listdir(out)) == 2
     finally:
         _zygote.stop_servers(directory)
