@@ -603,6 +603,10 @@ def _become_worker(request: dict, fds: Sequence[int], base_path: Sequence[str]) 
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if "multiprocessing.process" in sys.modules:  # Set when it was imported: the server's, not the worker's.
+        process = sys.modules["multiprocessing.process"]
+        process.ORIGINAL_DIR = os.getcwd()  # type: ignore[attr-defined]
+        process.current_process().authkey = os.urandom(32)
 
 
 def _text_stream(

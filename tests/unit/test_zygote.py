@@ -22,6 +22,7 @@ PROBE = """
 import atexit, json, os, sys, threading, time
 preloaded = "tensorflow" in sys.modules
 import numpy as np
+import multiprocessing.process as mp_process
 out = os.path.join(sys.argv[1], "worker-%d" % json.loads(os.environ["TF_CONFIG"])["task"]["index"])
 state = {
     "preloaded": preloaded,
@@ -39,6 +40,9 @@ state = {
     "stdin": sys.stdin.read(),
     "numpy_draw": int(np.random.randint(1 << 30)),
     "str_hash": hash("kernel"),
+    "multiprocessing": [
+        os.path.relpath(mp_process.ORIGINAL_DIR, os.getcwd()), mp_process.current_process().authkey.hex()
+    ],
 }
 def at_exit():
     with open(out + ".atexit", "w") as f:
@@ -99,6 +103,8 @@ def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path, zygote_dire
     assert forked_states[0]["numpy_draw"] != forked_states[1]["numpy_draw"]  # each child reseeded
     for states in (fresh_states, forked_states):  # a hash seed per worker: sets of strings iterate differently
         assert states[0]["str_hash"] != states[1]["str_hash"]
+        assert [s["multiprocessing"][0] for s in states] == [".", "."]  # where `spawn` children start
+        assert states[0]["multiprocessing"][1] != states[1]["multiprocessing"][1]  # authkey
     for result in (fresh, forked):
         assert [w.output for w in result.workers] == ["to stdout\nto stderr\n"] * 2
 
