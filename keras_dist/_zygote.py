@@ -13,7 +13,8 @@ test runners: `pid`, `poll`, `wait`, `returncode`). Must not: import TensorFlow
 or Keras in the client (the launcher runs without them), or import the keras_dist
 package in the server (its import applies the first worker's variables); serve a
 request whose environment differs from the server's in a variable that may be
-read at import (`read_at_import`: such an environment gets a server of its own).
+read at import (`read_at_import`: such an environment gets a server of its own,
+as does each worker slot, for a hash seed of its own).
 
 Who uses it: the test suite. `tests/conftest.py` sets `KERAS_DIST_ZYGOTE` to a
 directory for a session that may run multi-worker tests; then
