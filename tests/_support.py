@@ -4,9 +4,14 @@ Importable from any test file as `from _support import ...` (tests/ is on the pa
 tests/conftest.py sits there).
 """
 
+import contextlib
+import tempfile
+
 import keras
 import numpy as np
 from keras import ops
+
+from keras_dist import _zygote
 
 
 def sum_regression(num_examples, features, seed=0):
@@ -35,3 +40,17 @@ class SummedActivity(keras.layers.Layer):
     def call(self, inputs):
         self.add_loss(ops.sum(inputs) * 0.1)
         return inputs
+
+
+@contextlib.contextmanager
+def zygote_servers():
+    """A new directory for zygote servers (`keras_dist._zygote`): yields its path, then stops its servers.
+
+    The servers also exit if this process dies first (`_zygote.set_owner`).
+    """
+    directory = tempfile.mkdtemp(prefix="kd-zygote-")
+    _zygote.set_owner(directory)
+    try:
+        yield directory
+    finally:
+        _zygote.stop_servers(directory)

@@ -4,7 +4,6 @@ the worker runners report failures, stop hung workers at the timeout and leave n
 import glob
 import os
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -12,10 +11,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _support import zygote_servers
 from keras import ops
 
 import keras_dist
-from keras_dist import _env, _zygote
+from keras_dist import _env
 from keras_dist.testing import (
     assert_matches_single_device,
     clean_env,
@@ -201,10 +201,8 @@ def _pid(tmp_path, name):
 
 @pytest.fixture(scope="module")
 def _zygote_directory():
-    directory = tempfile.mkdtemp(prefix="kd-zygote-")
-    _zygote.set_owner(directory)
-    yield directory
-    _zygote.stop_servers(directory)
+    with zygote_servers() as directory:
+        yield directory
 
 
 @pytest.fixture(params=["new_interpreter", "zygote"])

@@ -10,10 +10,10 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import textwrap
 
 import pytest
+from _support import zygote_servers
 
 from keras_dist import _env, _zygote
 from keras_dist.testing import clean_env, run_launcher, run_workers
@@ -62,10 +62,8 @@ print("to stderr", file=sys.stderr)
 
 @pytest.fixture(scope="module")
 def zygote_directory():
-    directory = tempfile.mkdtemp(prefix="kd-zygote-")
-    _zygote.set_owner(directory)
-    yield directory
-    _zygote.stop_servers(directory)
+    with zygote_servers() as directory:
+        yield directory
 
 
 def _run_probe(tmp_path, env):
@@ -193,22 +191,21 @@ def test_a_command_or_interpreter_the_server_cannot_run_starts_as_a_new_process(
 
 @pytest.mark.timeout(90)
 def test_stop_servers_ends_every_server_and_removes_the_directory(tmp_path):
-    directory = tempfile.mkdtemp(prefix="kd-zygote-")
-    script = tmp_path / "nothing.py"
-    script.write_text("")
-    assert run_workers(script, num_workers=1, env=clean_env(**{_env.ZYGOTE_ENV: directory}), timeout=60).ok
-    pids = [int(open(path).read()) for path in glob.glob(os.path.join(directory, "*.pid"))]
-    assert len(pids) == 1
-    _zygote.stop_servers(directory)
-    assert not os.path.exists(directory)
-    for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}"), open(f"/proc/{pid}/stat").read()
+    with zygote_servers() as directory:
+        script = tmp_path / "nothing.py"
+        script.write_text("")
+        assert run_workers(script, num_workers=1, env=clean_env(**{_env.ZYGOTE_ENV: directory}), timeout=60).ok
+        pids = [int(open(path).read()) for path in glob.glob(os.path.join(directory, "*.socket.pid"))]
+        assert len(pids) == 1
+        _zygote.stop_servers(directory)
+        assert not os.path.exists(directory)
+        for pid in pids:
+            assert not os.path.exists(f"/proc/{pid}"), open(f"/proc/{pid}/stat").read()
 
 
 @pytest.mark.timeout(120)
 def test_a_worker_whose_server_died_ends_with_a_status_that_says_so(tmp_path, capsys):
-    directory = tempfile.mkdtemp(prefix="kd-zygote-")
-    try:
+    with zygote_servers() as directory:
         script = tmp_path / "kills_its_server.py"
         script.write_text(
             textwrap.dedent(f"""
@@ -221,15 +218,12 @@ def test_a_worker_whose_server_died_ends_with_a_status_that_says_so(tmp_path, ca
         result = run_workers(script, num_workers=1, env=clean_env(**{_env.ZYGOTE_ENV: directory}), timeout=60)
         assert result[0].returncode == _zygote.UNKNOWN_STATUS and not result[0].timed_out, result.describe()
         assert "the zygote server exited before worker" in capsys.readouterr().err
-    finally:
-        _zygote.stop_servers(directory)
 
 
 @pytest.mark.timeout(120)
 def test_a_request_its_client_gave_up_on_is_not_started(tmp_path, monkeypatch):
     """A client that stops waiting for a slow preload starts the worker itself; the server must not too."""
-    directory = tempfile.mkdtemp(prefix="kd-zygote-")
-    try:
+    with zygote_servers() as directory:
         script = tmp_path / "count.py"
         script.write_text("import os, sys; open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close()")
         out = tmp_path / "out"
@@ -240,5 +234,3 @@ def test_a_request_its_client_gave_up_on_is_not_started(tmp_path, monkeypatch):
         monkeypatch.setattr(_zygote, "_REQUEST_SECONDS", 60.0)
         assert run_workers(script, [str(out)], num_workers=1, env=env, timeout=60).ok  # served once imported
         assert len(os.listdir(out)) == 2
-    finally:
-        _zygote.stop_servers(directory)
