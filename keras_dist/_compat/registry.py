@@ -487,10 +487,16 @@ FIXES = {
             "drops it 0.2 s, often about 1.25 s and up to 18 s (its tf.data autotuning threads sleep for a period "
             "doubling from 10 ms to 60 s, and the destructor waits for them), while the other workers wait in "
             "their next collective; Keras drops one or two every epoch of a finite input, so fit on arrays on 2 "
-            "CPU workers stalled in 14 of 19 epochs (2.5-2.6 s an epoch against 1.5-1.8 s with one iterator).",
-            remedy="Each iterator Keras (or verify_sharding) takes from an input keras-dist distributes is also held "
-            "by keras-dist and, once nothing else refers to it, destroyed on one of 4 deleting threads, where no "
-            "step waits for it (fit on arrays: 1.5-1.9 s an epoch, no stalls); the last ones' waits fall at exit.",
+            "CPU workers stalled in 14 of 19 epochs (2.5-2.6 s an epoch against 1.5-1.8 s with one iterator). "
+            "Under MirroredStrategy the step thread waits itself: Python's cycle collector destroys a finished "
+            "call's iterator (Keras' epoch iterator sits in a reference cycle) on whatever thread it interrupts, "
+            "and for a `from_generator` input a gc.collect() 20 s after fit took 61-102 s on TensorFlow 2.21 and "
+            "122 s on 2.20 (0.2 s on 2.18).",
+            remedy="Each iterator Keras (or verify_sharding) takes from an input keras-dist distributes under "
+            "MultiWorkerMirroredStrategy or MirroredStrategy is also held by keras-dist and, once nothing else "
+            "refers to it, destroyed on one of 4 deleting threads, where no step waits for it (fit on arrays on 2 "
+            "workers: 1.5-1.9 s an epoch, no stalls; the gc.collect() above: 0.1-0.2 s); the last ones' waits "
+            "fall at exit.",
             checked_on=("2.18.1", "2.20.0", "2.21.0"),
             remove_when=_OPEN_TF,
         ),

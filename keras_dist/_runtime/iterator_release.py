@@ -2,7 +2,10 @@
 
 Under `MultiWorkerMirroredStrategy`, destroying a distributed iterator holds the
 thread that drops it for 0.2 s, often about 1.25 s and sometimes far longer, while
-the other workers wait in their next collective (compat fix
+the other workers wait in their next collective; under `MirroredStrategy` the step
+thread itself waits, also where Python's cycle collector destroys a finished call's
+iterator in the middle of a later step (60-120 s for an input over a Python
+generator on TensorFlow 2.20-2.21) (compat fix
 `blocking_iterator_deletion`, `benchmarks/epoch_stall.py`). The wait is tf.data's:
 each iterator's pipelines (the host pipeline and each device's) run an autotuning
 thread (`Model::OptimizeLoop`) that sleeps for an optimization period, doubling

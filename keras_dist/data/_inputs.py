@@ -222,12 +222,15 @@ def owning_python_batches(dataset):
 def releases_iterators_off_the_step(strategy):
     """Whether the iterators of inputs distributed under `strategy` are destroyed on keras-dist's deleting threads.
 
-    Fix `blocking_iterator_deletion`, only under `MultiWorkerMirroredStrategy`
-    (`keras_dist._runtime.iterator_release`).
+    Fix `blocking_iterator_deletion` (`keras_dist._runtime.iterator_release`),
+    under `MultiWorkerMirroredStrategy` (the other workers wait in their next
+    collective) and `MirroredStrategy` (the step thread waits; Python's cycle
+    collector runs the deletion of a finished call's iterator on whatever thread
+    it interrupts, and one over a Python generator then held it 60-100 s).
     """
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and _compat.is_active(
-        "blocking_iterator_deletion"
-    )
+    return isinstance(
+        strategy, (tf.distribute.MultiWorkerMirroredStrategy, tf.distribute.MirroredStrategy)
+    ) and _compat.is_active("blocking_iterator_deletion")
 
 
 # The model's function each usage's iterator is given to.
