@@ -1,6 +1,6 @@
 """Layer 3: what keras-dist installs on a Keras optimizer instance, in one place (private).
 
-Owns: the two methods `keras_dist.distributed_optimizer` replaces on one
+Owns: the methods `keras_dist.distributed_optimizer` replaces on one
 optimizer *instance* (never its class), and the one attribute it keeps there:
 
 - `apply`: Keras' `Optimizer.apply` applies each replica's gradients as given
@@ -10,6 +10,9 @@ optimizer *instance* (never its class), and the one attribute it keeps there:
 - `build`: Keras' `Optimizer.build` outside `strategy.scope()` fails ("Need to
   be inside `with strategy.scope()`") or creates variables no strategy mirrors;
   the replacement enters the optimizer's strategy first.
+- `apply_gradients`, only where the optimizer's class overrides Keras' own (a
+  user's subclass that edits the gradients first): the replacement sums them
+  first, then calls the class's `apply_gradients` with the sums.
 - `_keras_dist_state` (`DistributedOptimizerState`): the communication options
   and the per-replica gradient sums of accumulation.
 
@@ -40,8 +43,8 @@ class DistributedOptimizerState:
     sums_variables: list = dataclasses.field(default_factory=list)
 
 
-def install(optimizer, *, options, apply, build):
-    """Replaces `apply` and `build` on `optimizer` (this instance) and records `options`.
+def install(optimizer, *, options, apply, build, apply_gradients=None):
+    """Replaces `apply` and `build` (and `apply_gradients`, if given) on `optimizer` (this instance); records `options`.
 
     Idempotent: calling it again updates `options` and keeps the methods
     already installed (also another library's bound methods, which are left
@@ -52,13 +55,18 @@ def install(optimizer, *, options, apply, build):
         options: The communication options to keep in its state.
         apply: Function `(optimizer, grads, trainable_variables=None)`, bound to it.
         build: Function `(optimizer, *args, **kwargs)`, bound to it.
+        apply_gradients: `None`, or function `(optimizer, grads_and_vars)`,
+            bound to it (for a class that overrides Keras' `apply_gradients`).
     """
     current = optimizer.__dict__.get(_STATE)
     if current is None:
         optimizer.__dict__[_STATE] = DistributedOptimizerState(options)
     else:
         current.options = options
-    for name, function in (("apply", apply), ("build", build)):
+    methods = (("apply", apply), ("build", build)) + (
+        (("apply_gradients", apply_gradients),) if apply_gradients else ()
+    )
+    for name, function in methods:
         if not isinstance(optimizer.__dict__.get(name), types.MethodType):
             optimizer.__dict__[name] = types.MethodType(function, optimizer)
 

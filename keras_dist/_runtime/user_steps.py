@@ -125,8 +125,10 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
     if step is None or not step.user_step or output_gradients is not None:
         return loss_terms.TAPE_GRADIENT(self, target, sources, output_gradients, *args, **kwargs)
     variables = tf.nest.flatten(sources)
+    if variables and not any(_replicated_trainable(v) for v in variables):
+        # With respect to this replica's own tensors (an input, an activation): its part of one device's.
+        return _replica_part_gradient(self, target, sources, step, *args, **kwargs)
     if not variables or not all(_replicated_trainable(v) for v in variables):
-        # With respect to an input (WGAN-GP's penalty): the replica's own, as on one device.
         return loss_terms.TAPE_GRADIENT(self, target, sources, None, *args, **kwargs)
     # The user's own persistent tape, asked inside its `with` block, records still: not another tape.
     with _paused(self):
@@ -146,6 +148,32 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
             gradients = _per_example_gradient(target, gradients, step)
     with _paused(self):
         return _global_gradient(variables, gradients, step, weighted=weights is not None)
+
+
+def _replica_part_gradient(tape, target, sources, step, *args, **kwargs):
+    """The gradient of the global batch's `target` with respect to tensors of this replica's own (inputs, activations).
+
+    keras.io's adversarial and saliency steps differentiate the loss with
+    respect to the batch (`tape.watch(x)`; `x + eps * tape.gradient(loss, x)`).
+    An example reaches the global batch's loss only through its replica's
+    part of it, so one device's gradient is this replica's weighted by that
+    part's share, as the weights' gradients are before they are summed
+    (`_backward_weights`), and not summed: a batch mean's was `global examples
+    / examples` times one device's (2x on 2 even replicas). A target of one
+    value per example (WGAN-GP's critic output) keeps its own gradients.
+    """
+    with _paused(tape):
+        ratios = _share_targets(target, step, weighted=True)
+        weights = _share_weights(target, step) if ratios is None else None
+    step.weighted_in_backward = ratios is not None or weights is not None
+    try:
+        if ratios is not None:
+            return loss_terms.TAPE_GRADIENT(tape, ratios[0], sources, ratios[1], *args, **kwargs)
+        if weights is None:
+            return loss_terms.TAPE_GRADIENT(tape, target, sources, None, *args, **kwargs)
+        return _tape_gradient(tape, target, sources, weights, *args, **kwargs)
+    finally:
+        step.weighted_in_backward = False
 
 
 def _tape_gradient(tape, target, sources, weights, *args, **kwargs):
@@ -228,6 +256,16 @@ def _backward_weights(target, step):
     """
     if step.tape_all_reduce is None or record.could_possibly_record():
         return None
+    return _share_weights(target, step)
+
+
+def _share_weights(target, step):
+    """`output_gradients` that weight `target` (a loss of this replica's part of the batch) by that part's share, or `None`.
+
+    The share of the global batch's denominator for a ratio of sums
+    (`loss_terms.ratio_share`), else the example share (1 for a target of one
+    value per example). `None` where a leaf of `target` is not a floating tensor.
+    """
     leaves = tree.flatten(target)
     if not leaves or not all(tf.is_tensor(t) and t.dtype.is_floating for t in leaves):
         return None

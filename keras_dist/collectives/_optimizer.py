@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 
 import keras
@@ -82,8 +83,67 @@ def distributed_optimizer(
         options=CommunicationOptions.from_value(communication),
         apply=_apply_summed,
         build=_build_under_its_strategy,
+        apply_gradients=_apply_gradients_summed if _overrides_apply_gradients(optimizer) else None,
     )
     return optimizer
+
+
+# Per thread (MirroredStrategy runs each replica's step on a thread of its own), per optimizer `id`: while the
+# installed `apply_gradients` sums, `then_apply_<id>` is what `_apply_summed` calls in place of Keras' `apply`
+# (the class's own `apply_gradients`, on the sums); `passing_through_<id>` is set while that runs (sum nothing).
+_PER_REPLICA = threading.local()
+
+
+def _overrides_apply_gradients(optimizer):
+    """Whether `optimizer`'s class (a user's subclass) has an `apply_gradients` of its own, not Keras'."""
+    return type(optimizer).apply_gradients is not keras.optimizers.Optimizer.apply_gradients
+
+
+def _apply_gradients_summed(optimizer, grads_and_vars):
+    """The `apply_gradients` `distributed_optimizer` installs where the class overrides Keras' (bound to the instance).
+
+    A subclass that edits the gradients in `apply_gradients` before calling
+    Keras' (clipping each by value, scaling each to unit norm; keras.io's
+    gradient centralization written for Keras 3) would see each replica's
+    own gradients: keras-dist's built-in step hands them over unsummed and
+    the installed `apply` sums them. Here they are summed first, as in
+    `apply`, and the class's `apply_gradients` gets the global batch's
+    gradients; the installed `apply` it reaches then sums nothing. As
+    before where the gradients are accumulated (`gradient_accumulation_steps`)
+    or already the global batch's (a step of the user's).
+    """
+    class_apply_gradients = type(optimizer).apply_gradients
+    grads_and_vars = list(grads_and_vars)
+    context = tf.distribute.get_replica_context()
+    state = optimizer_patches.state(optimizer)
+    variables = [v for _, v in grads_and_vars]
+    step = step_state.current()
+    if (
+        context is None
+        or context.num_replicas_in_sync == 1
+        or not _compat.is_active("sum_gradients_before_apply")
+        or state is None
+        or getattr(_PER_REPLICA, f"then_apply_{id(optimizer)}", None) is not None
+        or getattr(_PER_REPLICA, f"passing_through_{id(optimizer)}", False)
+        or accumulation.accumulates_anywhere(optimizer)
+        or (step is not None and step.already_summed(variables))
+    ):
+        return class_apply_gradients(optimizer, grads_and_vars)
+    results = []
+
+    def then_apply(summed, summed_variables):
+        setattr(_PER_REPLICA, f"passing_through_{id(optimizer)}", True)
+        try:
+            results.append(class_apply_gradients(optimizer, list(zip(summed, summed_variables))))
+        finally:
+            delattr(_PER_REPLICA, f"passing_through_{id(optimizer)}")
+
+    setattr(_PER_REPLICA, f"then_apply_{id(optimizer)}", then_apply)
+    try:
+        _apply_summed(optimizer, [g for g, _ in grads_and_vars], variables)
+    finally:
+        delattr(_PER_REPLICA, f"then_apply_{id(optimizer)}")
+    return results[0] if results else optimizer.iterations
 
 
 def _build_under_its_strategy(optimizer, *args, **kwargs):
@@ -230,6 +290,15 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1 or not _compat.is_active("sum_gradients_before_apply"):
         return keras_apply(optimizer, grads, trainable_variables)
+    if getattr(
+        _PER_REPLICA, f"passing_through_{id(optimizer)}", False
+    ):  # The class's `apply_gradients`, on summed gradients.
+        variables = (
+            list(trainable_variables) if trainable_variables is not None else ki.trainable_variables_of(optimizer)
+        )
+        with ki.gradients_already_reduced(optimizer):
+            _keras_apply(optimizer, keras_apply, list(grads), variables, accumulating=False)
+        return
     options = optimizer_patches.state(optimizer).options.resolved(context.strategy)
     grads = list(grads)
     variables = list(trainable_variables) if trainable_variables is not None else ki.trainable_variables_of(optimizer)
@@ -287,7 +356,11 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
             request.extras_sums = extras_sums
         if marks is not None:
             marks.stamp("all_reduced", grads)
-        _keras_apply(optimizer, keras_apply, grads, variables, accumulating=accumulating)
+        then_apply = getattr(_PER_REPLICA, f"then_apply_{id(optimizer)}", None)
+        if then_apply is not None:  # The class's own `apply_gradients`, on the sums.
+            then_apply(grads, variables)
+        else:
+            _keras_apply(optimizer, keras_apply, grads, variables, accumulating=accumulating)
         if marks is not None:
             marks.stamp("applied", variables)
 

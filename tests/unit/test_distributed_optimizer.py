@@ -108,6 +108,42 @@ def test_user_train_step_clips_the_global_gradient(multi_replica_strategy, clipp
     assert max_weight_difference(reference, model) < 1e-5
 
 
+class ClippedByValueRMSprop(keras.optimizers.RMSprop):
+    """A user's subclass that edits each gradient in `apply_gradients` before Keras' (a new-user probe, finding 1)."""
+
+    def apply_gradients(self, grads_and_vars):
+        return super().apply_gradients([(keras.ops.clip(g, -0.02, 0.02), v) for g, v in grads_and_vars])
+
+
+def _classifier(model_class, **kwargs):
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(seed=2))
+    outputs = keras.layers.Dense(3, activation="softmax", kernel_initializer=keras.initializers.GlorotUniform(seed=3))
+    model = model_class(inputs, outputs(hidden(inputs)), **kwargs)
+    model.compile(optimizer=ClippedByValueRMSprop(0.01), loss="sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.mark.parametrize("num_examples", [37, 32], ids=["uneven", "even"])
+def test_an_apply_gradients_override_edits_the_global_gradient(mirrored_1x2_cpu, num_examples):
+    """Was each replica's own gradient under the built-in step (the sum came after, in `apply`): weights 1.3 off."""
+    rs = np.random.RandomState(0)
+    x, y = rs.normal(size=(num_examples, 6)).astype("float32"), rs.randint(0, 3, size=(num_examples,))
+    model = _classifier(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    reference = _classifier(keras.Model)
+    reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-5
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+
+
+def test_an_apply_gradients_override_in_a_custom_loop_edits_the_global_gradient(mirrored_1x2_cpu):
+    """`strategy.run` + `apply_gradients` of a wrapped optimizer whose class overrides it: the sum comes first there too."""
+    model = _custom_loop(mirrored_1x2_cpu, lambda: ClippedByValueRMSprop(0.01), wrap=True)
+    reference = _one_device_loop(lambda: ClippedByValueRMSprop(0.01))
+    assert max_weight_difference(reference, model) < 1e-5
+
+
 def _custom_loop(strategy, optimizer, wrap=False, compiled=False):
     """strategy.run + optimizer.apply_gradients; `compiled`: on a compiled DistributedModel's `model.optimizer`."""
     x, y = sum_regression(32, 4)

@@ -701,6 +701,57 @@ def test_gradient_norm_penalty_with_respect_to_the_weights(mirrored_1x2_cpu):
     _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=False, logs=False)
 
 
+class _InputGradientStep:
+    """keras.io-style steps that differentiate the loss with respect to the batch itself (a new-user probe, finding 2).
+
+    `tape.watch(x)`, then `tape.gradient(loss, x)`: raw-gradient adversarial examples (`x + eps * g`, a second
+    tape after the first), an input-gradient penalty ("double backprop", nested tapes), and a per-example
+    target (a critic's outputs, WGAN-GP style). A tracker logs the mean per-example L1 norm of the gradient.
+    """
+
+    kind = "adversarial"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gradient_tracker = keras.metrics.Mean(name="input_gradient")
+
+    def train_step(self, data):
+        x, y = data
+        if self.kind == "penalty":
+            with tf.GradientTape() as tape:
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+                g = inner.gradient(loss, x)
+                total = loss + 0.5 * ops.sum(ops.square(g))
+        else:
+            with tf.GradientTape() as first:
+                first.watch(x)
+                pred = self(x, training=True)
+                target = pred if self.kind == "per_example" else self.compute_loss(x=x, y=y, y_pred=pred)
+            g = first.gradient(target, x)
+            x_adv = ops.stop_gradient(x + 0.5 * g)
+            with tf.GradientTape() as tape:
+                total = self.compute_loss(x=x_adv, y=y, y_pred=self(x_adv, training=True))
+        gradients = tape.gradient(total, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        self.gradient_tracker.update_state(ops.sum(ops.abs(g), axis=-1))
+        return {"input_gradient": self.gradient_tracker.result()}
+
+    @property
+    def metrics(self):
+        return super().metrics + [self.gradient_tracker]
+
+
+@pytest.mark.parametrize("kind", ["adversarial", "penalty", "per_example"])
+@pytest.mark.parametrize("num_examples", [21, 32], ids=["uneven", "even"])
+def test_a_gradient_with_respect_to_the_batch_is_one_devices(mirrored_1x2_cpu, kind, num_examples):
+    """Was 2x one device's for a batch mean on 2 even replicas (each replica's own mean's gradient); weights 0.7 off."""
+    x, y = _regression(num_examples, seed=17)
+    mixin = type("Step", (_InputGradientStep,), {"kind": kind})
+    _train_both(mirrored_1x2_cpu, _dense_with_step(mixin, loss="mse"), x, y, batch_size=8, evaluate=False)
+
+
 @pytest.mark.xfail(strict=True, reason="with gradient_accumulation_steps, tape.gradient is the replica's own")
 def test_user_step_clipping_by_hand_with_gradient_accumulation(mirrored_1x2_cpu):
     x, y = _regression(16, seed=9)
