@@ -94,6 +94,11 @@ def distributed_optimizer(
 _PER_REPLICA = threading.local()
 
 
+def _passing_through(optimizer):
+    """Whether this thread runs `optimizer`'s class's `apply_gradients` on gradients `_apply_gradients_summed` summed."""
+    return getattr(_PER_REPLICA, f"passing_through_{id(optimizer)}", False)
+
+
 def _overrides_apply_gradients(optimizer):
     """Whether `optimizer`'s class (a user's subclass) has an `apply_gradients` of its own, not Keras'."""
     return type(optimizer).apply_gradients is not keras.optimizers.Optimizer.apply_gradients
@@ -124,7 +129,7 @@ def _apply_gradients_summed(optimizer, grads_and_vars):
         or not _compat.is_active("sum_gradients_before_apply")
         or state is None
         or getattr(_PER_REPLICA, f"then_apply_{id(optimizer)}", None) is not None
-        or getattr(_PER_REPLICA, f"passing_through_{id(optimizer)}", False)
+        or _passing_through(optimizer)
         or accumulation.accumulates_anywhere(optimizer)
         or (step is not None and step.already_summed(variables))
     ):
@@ -290,9 +295,7 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1 or not _compat.is_active("sum_gradients_before_apply"):
         return keras_apply(optimizer, grads, trainable_variables)
-    if getattr(
-        _PER_REPLICA, f"passing_through_{id(optimizer)}", False
-    ):  # The class's `apply_gradients`, on summed gradients.
+    if _passing_through(optimizer):  # The class's `apply_gradients`, on summed gradients: sum nothing.
         variables = (
             list(trainable_variables) if trainable_variables is not None else ki.trainable_variables_of(optimizer)
         )
