@@ -168,12 +168,55 @@ def _replica_part_gradient(tape, target, sources, step, *args, **kwargs):
     step.weighted_in_backward = ratios is not None or weights is not None
     try:
         if ratios is not None:
-            return loss_terms.TAPE_GRADIENT(tape, ratios[0], sources, ratios[1], *args, **kwargs)
-        if weights is None:
+            gradients = loss_terms.TAPE_GRADIENT(tape, ratios[0], sources, ratios[1], *args, **kwargs)
+        elif weights is None:
             return loss_terms.TAPE_GRADIENT(tape, target, sources, None, *args, **kwargs)
-        return _tape_gradient(tape, target, sources, weights, *args, **kwargs)
+        else:
+            gradients = _tape_gradient(tape, target, sources, weights, *args, **kwargs)
     finally:
         step.weighted_in_backward = False
+    return _shared_sources_summed(sources, gradients, step)
+
+
+def _shared_sources_summed(sources, gradients, step):
+    """`gradients` (weighted by this replica's share) with those of tensors every replica shares summed over the replicas.
+
+    A tensor the whole batch shares (a universal perturbation `delta` of shape
+    `(1, d)` added to every example) gets one device's gradient only as the
+    sum of every replica's part, as a weight does. A tensor of this
+    replica's examples (its leading dimension unknown, or the batch's own)
+    keeps its part: its examples are nowhere else.
+    """
+    flat_sources, flat = tf.nest.flatten(sources), tf.nest.flatten(gradients)
+    if len(flat_sources) != len(flat):
+        return gradients
+    batch_rows = None
+    if step.example_leaf is not None and step.data_leaves:
+        batch_rows = step.data_leaves[step.example_leaf].shape[0]
+    shared = [
+        i
+        for i, (source, gradient) in enumerate(zip(flat_sources, flat))
+        if gradient is not None and not _rows_of_the_batch(source, batch_rows)
+    ]
+    if not shared:
+        return gradients
+    context = tf.distribute.get_replica_context()
+    summed = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, [tf.convert_to_tensor(flat[i]) for i in shared], options=step.options
+    )
+    for i, value in zip(shared, summed):
+        flat[i] = value
+    return tf.nest.pack_sequence_as(gradients, flat)
+
+
+def _rows_of_the_batch(source, batch_rows):
+    """Whether `source` (a tensor) holds rows of this replica's examples: its leading dimension unknown when traced, or the batch's."""
+    shape = getattr(source, "shape", None)
+    if shape is None or shape.rank is None:
+        return True
+    if shape.rank == 0:
+        return False
+    return shape[0] is None or shape[0] == batch_rows
 
 
 def _tape_gradient(tape, target, sources, weights, *args, **kwargs):

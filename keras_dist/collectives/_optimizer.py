@@ -104,6 +104,7 @@ def _overrides_apply_gradients(optimizer):
     return type(optimizer).apply_gradients is not keras.optimizers.Optimizer.apply_gradients
 
 
+@tf.autograph.experimental.do_not_convert  # Called inside a user's tf.function: nothing here to convert.
 def _apply_gradients_summed(optimizer, grads_and_vars):
     """The `apply_gradients` `distributed_optimizer` installs where the class overrides Keras' (bound to the instance).
 

@@ -705,8 +705,8 @@ class _InputGradientStep:
     """keras.io-style steps that differentiate the loss with respect to the batch itself (a new-user probe, finding 2).
 
     `tape.watch(x)`, then `tape.gradient(loss, x)`: raw-gradient adversarial examples (`x + eps * g`, a second
-    tape after the first), an input-gradient penalty ("double backprop", nested tapes), and a per-example
-    target (a critic's outputs, WGAN-GP style). A tracker logs the mean per-example L1 norm of the gradient.
+    tape after the first), an input-gradient penalty ("double backprop", nested tapes), a per-example
+    target (a critic's outputs, WGAN-GP style), and a universal perturbation shared by the whole batch. A tracker logs the mean per-example L1 norm of the gradient.
     """
 
     kind = "adversarial"
@@ -724,6 +724,15 @@ class _InputGradientStep:
                     loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
                 g = inner.gradient(loss, x)
                 total = loss + 0.5 * ops.sum(ops.square(g))
+        elif self.kind == "shared":  # A universal perturbation: one `delta` for the whole batch.
+            delta = ops.zeros((1, 3))
+            with tf.GradientTape() as first:
+                first.watch(delta)
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x + delta, training=True))
+            g = first.gradient(loss, delta)
+            x_adv = ops.stop_gradient(x + 0.5 * g)
+            with tf.GradientTape() as tape:
+                total = self.compute_loss(x=x_adv, y=y, y_pred=self(x_adv, training=True))
         else:
             with tf.GradientTape() as first:
                 first.watch(x)
@@ -743,10 +752,13 @@ class _InputGradientStep:
         return super().metrics + [self.gradient_tracker]
 
 
-@pytest.mark.parametrize("kind", ["adversarial", "penalty", "per_example"])
+@pytest.mark.parametrize("kind", ["adversarial", "penalty", "per_example", "shared"])
 @pytest.mark.parametrize("num_examples", [21, 32], ids=["uneven", "even"])
 def test_a_gradient_with_respect_to_the_batch_is_one_devices(mirrored_1x2_cpu, kind, num_examples):
-    """Was 2x one device's for a batch mean on 2 even replicas (each replica's own mean's gradient); weights 0.7 off."""
+    """Was 2x one device's for a batch mean on 2 even replicas (each replica's own mean's gradient); weights 0.7 off.
+
+    `shared`: a tensor the whole batch shares gets the sum of the replicas' parts (a fresh helper found half of it).
+    """
     x, y = _regression(num_examples, seed=17)
     mixin = type("Step", (_InputGradientStep,), {"kind": kind})
     _train_both(mirrored_1x2_cpu, _dense_with_step(mixin, loss="mse"), x, y, batch_size=8, evaluate=False)
