@@ -160,7 +160,9 @@ def _replica_part_gradient(tape, target, sources, step, *args, **kwargs):
     part's share, as the weights' gradients are before they are summed
     (`_backward_weights`), and not summed: a batch mean's was `global examples
     / examples` times one device's (2x on 2 even replicas). A target of one
-    value per example (WGAN-GP's critic output) keeps its own gradients.
+    value per example (WGAN-GP's critic output) keeps its own gradients. A
+    tensor the whole batch shares is summed over the replicas
+    (`_shared_sources_summed`).
     """
     with _paused(tape):
         ratios = _share_targets(target, step, weighted=True)
