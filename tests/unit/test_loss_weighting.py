@@ -706,7 +706,8 @@ class _InputGradientStep:
 
     `tape.watch(x)`, then `tape.gradient(loss, x)`: raw-gradient adversarial examples (`x + eps * g`, a second
     tape after the first), an input-gradient penalty ("double backprop", nested tapes), a per-example
-    target (a critic's outputs, WGAN-GP style), and a universal perturbation shared by the whole batch. A tracker logs the mean per-example L1 norm of the gradient.
+    target (a critic's outputs, WGAN-GP style), and a universal perturbation shared by the whole batch. A
+    tracker logs the mean per-example L1 norm of the gradient.
     """
 
     kind = "adversarial"
@@ -724,21 +725,14 @@ class _InputGradientStep:
                     loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
                 g = inner.gradient(loss, x)
                 total = loss + 0.5 * ops.sum(ops.square(g))
-        elif self.kind == "shared":  # A universal perturbation: one `delta` for the whole batch.
-            delta = ops.zeros((1, 3))
-            with tf.GradientTape() as first:
-                first.watch(delta)
-                loss = self.compute_loss(x=x, y=y, y_pred=self(x + delta, training=True))
-            g = first.gradient(loss, delta)
-            x_adv = ops.stop_gradient(x + 0.5 * g)
-            with tf.GradientTape() as tape:
-                total = self.compute_loss(x=x_adv, y=y, y_pred=self(x_adv, training=True))
         else:
+            # The watched source: the batch, or a universal perturbation (one `delta` for the whole batch).
+            source = ops.zeros((1, 3)) if self.kind == "shared" else x
             with tf.GradientTape() as first:
-                first.watch(x)
-                pred = self(x, training=True)
+                first.watch(source)
+                pred = self(x + source if self.kind == "shared" else x, training=True)
                 target = pred if self.kind == "per_example" else self.compute_loss(x=x, y=y, y_pred=pred)
-            g = first.gradient(target, x)
+            g = first.gradient(target, source)
             x_adv = ops.stop_gradient(x + 0.5 * g)
             with tf.GradientTape() as tape:
                 total = self.compute_loss(x=x_adv, y=y, y_pred=self(x_adv, training=True))
