@@ -125,10 +125,15 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
     if step is None or not step.user_step or output_gradients is not None:
         return loss_terms.TAPE_GRADIENT(self, target, sources, output_gradients, *args, **kwargs)
     variables = tf.nest.flatten(sources)
-    if variables and not any(_replicated_trainable(v) for v in variables):
+    replicated = [_replicated_trainable(v) for v in variables]
+    if variables and not any(replicated):
         # With respect to this replica's own tensors (an input, an activation): its part of one device's.
         return _replica_part_gradient(self, target, sources, step, *args, **kwargs)
-    if not variables or not all(_replicated_trainable(v) for v in variables):
+    if variables and not all(replicated) and all(r or isinstance(v, tf.Tensor) for v, r in zip(variables, replicated)):
+        mixed = _mixed_gradient(self, target, sources, replicated, step, *args, **kwargs)
+        if mixed is not None:
+            return mixed
+    if not variables or not all(replicated):
         return loss_terms.TAPE_GRADIENT(self, target, sources, None, *args, **kwargs)
     # The user's own persistent tape, asked inside its `with` block, records still: not another tape.
     with _paused(self):
@@ -148,6 +153,43 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
             gradients = _per_example_gradient(target, gradients, step)
     with _paused(self):
         return _global_gradient(variables, gradients, step, weighted=weights is not None)
+
+
+def _mixed_gradient(tape, target, sources, replicated, step, *args, **kwargs):
+    """One device's gradients for a list of weights and tensors (`tape.gradient(loss, [x] + model.trainable_variables)`).
+
+    One backward pass, weighted by this replica's share as the weights' alone
+    are (`_backward_weights`): the weights' parts summed over the replicas
+    (`_global_gradient`), the tensors' kept as this replica's part
+    (`_replica_part_gradient`), a tensor the whole batch shares summed. `None`
+    where the weights' gradients are not summed here (another tape records,
+    gradient accumulation): the caller then returns this replica's own, as
+    TensorFlow's tape does.
+    """
+    with _paused(tape):
+        weights = _backward_weights(target, step)
+        if weights is None:
+            return None
+        ratios = _share_targets(target, step, weighted=True)
+    step.weighted_in_backward = True
+    try:
+        if ratios is not None:
+            gradients = loss_terms.TAPE_GRADIENT(tape, ratios[0], sources, ratios[1], *args, **kwargs)
+        else:
+            gradients = _tape_gradient(tape, target, sources, weights, *args, **kwargs)
+    finally:
+        step.weighted_in_backward = False
+    flat_sources, flat = tf.nest.flatten(sources), list(tf.nest.flatten(gradients))
+    own = [i for i, r in enumerate(replicated) if r]
+    other = [i for i, r in enumerate(replicated) if not r]
+    with _paused(tape):
+        summed = _global_gradient([flat_sources[i] for i in own], [flat[i] for i in own], step, weighted=True)
+        parts = _shared_sources_summed([flat_sources[i] for i in other], [flat[i] for i in other], step)
+    for i, value in zip(own, summed):
+        flat[i] = value
+    for i, value in zip(other, parts):
+        flat[i] = value
+    return tf.nest.pack_sequence_as(gradients, flat)
 
 
 def _replica_part_gradient(tape, target, sources, step, *args, **kwargs):

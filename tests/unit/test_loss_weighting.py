@@ -706,8 +706,8 @@ class _InputGradientStep:
 
     `tape.watch(x)`, then `tape.gradient(loss, x)`: raw-gradient adversarial examples (`x + eps * g`, a second
     tape after the first), an input-gradient penalty ("double backprop", nested tapes), a per-example
-    target (a critic's outputs, WGAN-GP style), and a universal perturbation shared by the whole batch. A
-    tracker logs the mean per-example L1 norm of the gradient.
+    target (a critic's outputs, WGAN-GP style), a universal perturbation shared by the whole batch, and the batch
+    with the weights in one list of sources. A tracker logs the mean per-example L1 norm of the gradient.
     """
 
     kind = "adversarial"
@@ -732,7 +732,11 @@ class _InputGradientStep:
                 first.watch(source)
                 pred = self(x + source if self.kind == "shared" else x, training=True)
                 target = pred if self.kind == "per_example" else self.compute_loss(x=x, y=y, y_pred=pred)
-            g = first.gradient(target, source)
+            if self.kind == "mixed":  # The batch and the weights in one list: a clean step, then the adversarial one.
+                g, *clean = first.gradient(target, [source] + self.trainable_variables)
+                self.optimizer.apply_gradients(zip(clean, self.trainable_variables))
+            else:
+                g = first.gradient(target, source)
             x_adv = ops.stop_gradient(x + 0.5 * g)
             with tf.GradientTape() as tape:
                 total = self.compute_loss(x=x_adv, y=y, y_pred=self(x_adv, training=True))
@@ -746,12 +750,13 @@ class _InputGradientStep:
         return super().metrics + [self.gradient_tracker]
 
 
-@pytest.mark.parametrize("kind", ["adversarial", "penalty", "per_example", "shared"])
+@pytest.mark.parametrize("kind", ["adversarial", "penalty", "per_example", "shared", "mixed"])
 @pytest.mark.parametrize("num_examples", [21, 32], ids=["uneven", "even"])
 def test_a_gradient_with_respect_to_the_batch_is_one_devices(mirrored_1x2_cpu, kind, num_examples):
     """Was 2x one device's for a batch mean on 2 even replicas (each replica's own mean's gradient); weights 0.7 off.
 
     `shared`: a tensor the whole batch shares gets the sum of the replicas' parts (a fresh helper found half of it).
+    `mixed`: `[x] + weights` in one list was each replica's own for `x` (2x), and for the weights.
     """
     x, y = _regression(num_examples, seed=17)
     mixin = type("Step", (_InputGradientStep,), {"kind": kind})
