@@ -53,6 +53,8 @@ def test_an_iterator_still_referred_to_is_kept_and_destroyed_on_a_deleting_threa
 
 @pytest.mark.timeout(30)
 def test_a_holding_dataset_hands_out_its_own_iterators_and_keeps_the_rest():
+    # Earlier tests' distributed iterators may still be held here (their fits' models not yet collected).
+    held_before = iterator_release.held()
     dataset = _Dataset()
     wrapped = iterator_release.hold_iterators_of(dataset)
     assert wrapped is dataset and isinstance(wrapped, _Dataset)
@@ -65,7 +67,7 @@ def test_a_holding_dataset_hands_out_its_own_iterators_and_keeps_the_rest():
     assert dataset.made[1]() is second  # The other one is still the caller's.
     del second
     assert _wait_for(lambda: dataset.made[1]() is None)
-    assert _wait_for(lambda: iterator_release.held() == 0)
+    assert _wait_for(lambda: iterator_release.held() <= held_before)
 
 
 def _release_in_child(queue):
@@ -81,6 +83,7 @@ def test_a_forked_child_releases_its_own_iterators_on_a_thread_of_its_own():
     import multiprocessing
 
     parent_held = _Iterator()
+    parent_threads = _finalized_on(parent_held)
     iterator_release.hold(parent_held)  # The parent's thread runs now, and holds one at the fork.
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
@@ -91,5 +94,5 @@ def test_a_forked_child_releases_its_own_iterators_on_a_thread_of_its_own():
     finally:
         child.join(30)
     assert child.exitcode == 0
-    del parent_held
-    assert _wait_for(lambda: iterator_release.held() == 0)
+    del parent_held  # Earlier tests' iterators may still be held: this one's release is what is checked.
+    assert _wait_for(lambda: parent_threads) and parent_threads[0].startswith(iterator_release.THREAD_NAME + "_")
