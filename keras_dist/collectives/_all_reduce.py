@@ -162,8 +162,12 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
             examples: the replicas send `num_examples x gradient` and
             `num_examples`, and the sums are divided by the total examples
             (each replica's gradient is then that of its own mean loss, as
-            one device computes it). Not with compression
-            (a scaled gradient could overflow float16).
+            one device computes it). Gradients sent in another dtype
+            than float32 (float16 weights, compression) are multiplied by
+            this replica's share of the total instead, once the total is
+            summed, not by the count: `count x gradient` overflows float16
+            (a new-user probe's float16 model: NaN weights, where one device
+            trained).
         extras: List of float32 tensors (any shapes) to sum over the replicas
             along with the gradients, e.g. metric state.
 
@@ -204,17 +208,18 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     present = [i for i, g in enumerate(gradients) if g is not None]
     to_send = [gradients[i] for i in present]
     side = list(extras)
+    to_send = compress(to_send, options)
+    together = all(v.dtype == tf.float32 for v in to_send if not isinstance(v, tf.IndexedSlices))
     if num_examples is not None:
         count = tf.cast(num_examples, tf.float32)
-        to_send = [_scaled(g, count) for g in to_send]
+        if together:  # Else scaled by the share once the total is known: `count x gradient` overflows float16.
+            to_send = [_scaled(g, count) for g in to_send]
         side.append(tf.reshape(count, [1]))
     if names is not None:
         side.append(gradient_kinds(gradients))
     num_sparse = sum(isinstance(g, tf.IndexedSlices) for g in to_send) if context.num_replicas_in_sync > 1 else 0
     if num_sparse:  # Appended last, taken first.
         side.append(sparse_row_counts(to_send, context.replica_id_in_sync_group, context.num_replicas_in_sync))
-    to_send = compress(to_send, options)
-    together = all(v.dtype == tf.float32 for v in to_send if not isinstance(v, tf.IndexedSlices))
     # With `bytes_per_pack` > 0 the dense values travel in windows of that many bytes, the last layers'
     # gradients first and the side values (counts, flags, metric state) in the last window (`_windows`).
     reduced, side_sums = [], []
@@ -233,6 +238,8 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
     if not together and to_send:
         with tf.control_dependencies(checks):  # Nothing is sent before the workers agree.
             to_send = [_after_checks(v) for v in to_send]
+            if num_examples is not None:  # This replica's share (at most 1), multiplied in float32.
+                to_send = [_scaled(v, count * factor) for v in to_send]
         _, reduced = _sum(context, to_send, options)
     result = list(gradients)
     with tf.control_dependencies(checks):  # Nothing summed is used unless the workers agree.
@@ -241,7 +248,7 @@ def all_reduce_gradients(gradients, options, *, names=None, num_examples=None, e
             if num_sparse and isinstance(value, tf.IndexedSlices):  # Every replica holds every replica's rows.
                 value = combine_gathered_rows(value, next(row_counts))
             result[i] = _after_checks(value)
-            if num_examples is not None:
+            if num_examples is not None and together:
                 result[i] = _scaled(result[i], factor)
         side_sums = [tf.identity(s) for s in side_sums]
     return result, side_sums
@@ -294,12 +301,16 @@ def densified(gradients, options):
 
 
 def _scaled(gradient, factor):
-    """`gradient` (a tensor or `tf.IndexedSlices`) times the float32 scalar `factor`, in the gradient's dtype."""
+    """`gradient` (a tensor or `tf.IndexedSlices`) times the float32 scalar `factor`, rounded once to its dtype."""
     if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            gradient.values * tf.cast(factor, gradient.values.dtype), gradient.indices, gradient.dense_shape
-        )
-    return gradient * tf.cast(factor, gradient.dtype)
+        return tf.IndexedSlices(_times(gradient.values, factor), gradient.indices, gradient.dense_shape)
+    return _times(gradient, factor)
+
+
+def _times(value, factor):
+    if value.dtype.size >= 4:  # float32, float64
+        return value * tf.cast(factor, value.dtype)
+    return tf.cast(tf.cast(value, tf.float32) * factor, value.dtype)  # A share like 13/29 is not a float16.
 
 
 def _after_checks(value):

@@ -270,6 +270,32 @@ def test_loss_scale_optimizer_dynamic_scaling_matches_one_device(multi_replica_s
     assert _replica_spread(model) == 0.0
 
 
+def test_float16_weights_whose_gradients_times_the_examples_overflow_float16(mirrored_1x2_cpu):
+    """A new-user probe: a float16 model (`dtype="float16"`) trained on one device, and was NaN on 2 replicas.
+
+    Its largest gradient entry (about 1.8e3) times a replica's 32 examples passes float16's 65504: float16
+    gradients are now multiplied by the replica's share of the examples, not by its count.
+    """
+    rng = np.random.RandomState(0)
+    x = rng.randn(128, 8).astype("float32")
+    y = (x @ rng.randn(8, 1) * 1000 + 20).astype("float32")
+
+    def run(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu", dtype="float16")(inputs)
+        model = model_class(inputs, keras.layers.Dense(1, dtype="float16")(hidden), **kwargs)
+        model.compile(optimizer=O.SGD(1e-6), loss="mse")
+        history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+        return model, history
+
+    reference, expected = run(keras.Model)
+    model, history = run(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
+    assert np.isfinite(history["loss"]).all()
+    assert max_weight_difference(reference, model) < 1e-3  # float16's rounding (its spacing near 1 is 1e-3).
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-3)
+
+
 def _strategy_of(request, num_replicas):
     """1: TensorFlow's default strategy (what `KERAS_DIST_CPU_REPLICAS=1` gives); else 2 or 3 mirrored CPU replicas."""
     return tf.distribute.get_strategy() if num_replicas == 1 else _strategy(request, num_replicas)

@@ -220,6 +220,26 @@ def test_non_float32_gradients_send_counts_in_their_own_all_reduce(mirrored_1x2_
         np.testing.assert_allclose(value.numpy(), np.full([2, 3], 2.0))
 
 
+def test_float16_gradients_are_multiplied_by_the_share_not_the_count(mirrored_1x2_cpu):
+    """3e4 x 3 examples overflows float16 (65504); 3e4 x 3/4 does not."""
+
+    @tf.function
+    def step():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            first = context.replica_id_in_sync_group == 0
+            count = tf.constant(3) if first else tf.constant(1)
+            gradient = tf.fill([4], tf.constant(3e4, tf.float16) if first else tf.constant(1e4, tf.float16))
+            return _all_reduce.all_reduce_gradients([gradient], keras_dist.CommunicationOptions(), num_examples=count)
+
+        return mirrored_1x2_cpu.run(replica_fn)
+
+    (summed,), _ = step()
+    for value in mirrored_1x2_cpu.experimental_local_results(summed):
+        assert value.dtype == tf.float16
+        np.testing.assert_allclose(value.numpy(), [(3 * 3e4 + 1e4) / 4] * 4, rtol=1e-3)
+
+
 def test_a_step_and_optimizer_that_disagree_raise_instead_of_summing_unweighted(mirrored_1x2_cpu, monkeypatch):
     """The step leaves the example weighting to the all-reduce only when the optimizer will do it: never a silent fallback.
 
