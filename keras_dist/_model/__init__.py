@@ -409,7 +409,7 @@ class DistributedModel(keras.Model):
         self._distribute_state()
         super().make_predict_function(force=force)  # Sets self.predict_function (and returns it, or None).
         if self._distribute_strategy.num_replicas_in_sync > 1:
-            self.predict_function = step_functions.predict_for_any_batch(self.predict_function)
+            step_functions.trace_predict_for_any_batch(self)
         return monitoring.track_predict_function(self)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):

@@ -43,6 +43,11 @@ def make(model, replica_step, *, user_written, marks=None):
     )
 
 
+def trace_predict_for_any_batch(model):
+    """Sets `model.predict_function` to `predict_for_any_batch` of it (a model with several replicas)."""
+    model.predict_function = predict_for_any_batch(model.predict_function)
+
+
 def predict_for_any_batch(function):
     """Returns Keras' predict function (a `tf.function`) traced first for batches of any size on each replica.
 

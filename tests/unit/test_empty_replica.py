@@ -17,6 +17,7 @@ from keras_dist.testing import max_weight_difference
 
 L = keras.layers
 
+
 class _ResidualDense(L.Layer):
     """`x + Dense(x)` through Keras' `Add` (a residual block of an MLP or a transformer)."""
 
