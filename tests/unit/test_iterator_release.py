@@ -26,6 +26,16 @@ class _Dataset:
         return iterator
 
 
+@pytest.fixture(autouse=True)
+def own_releaser(monkeypatch):
+    """A releaser of each test's own: the process's may be busy (its 4 deleting threads each destroying an earlier
+    `fit`'s iterator over a generator, up to minutes each) or hold earlier tests' iterators (a full run failed so)."""
+    releaser = iterator_release._Releaser()
+    monkeypatch.setattr(iterator_release, "_RELEASER", releaser)
+    yield releaser
+    releaser.stop()
+
+
 def _wait_for(condition, seconds=5.0):
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:
@@ -53,8 +63,6 @@ def test_an_iterator_still_referred_to_is_kept_and_destroyed_on_a_deleting_threa
 
 @pytest.mark.timeout(30)
 def test_a_holding_dataset_hands_out_its_own_iterators_and_keeps_the_rest():
-    # Earlier tests' distributed iterators may still be held here (their fits' models not yet collected).
-    held_before = iterator_release.held()
     dataset = _Dataset()
     wrapped = iterator_release.hold_iterators_of(dataset)
     assert wrapped is dataset and isinstance(wrapped, _Dataset)
@@ -67,7 +75,7 @@ def test_a_holding_dataset_hands_out_its_own_iterators_and_keeps_the_rest():
     assert dataset.made[1]() is second  # The other one is still the caller's.
     del second
     assert _wait_for(lambda: dataset.made[1]() is None)
-    assert _wait_for(lambda: iterator_release.held() <= held_before)
+    assert _wait_for(lambda: iterator_release.held() == 0)
 
 
 def _release_in_child(queue):
@@ -94,5 +102,6 @@ def test_a_forked_child_releases_its_own_iterators_on_a_thread_of_its_own():
     finally:
         child.join(30)
     assert child.exitcode == 0
-    del parent_held  # Earlier tests' iterators may still be held: this one's release is what is checked.
+    del parent_held
     assert _wait_for(lambda: parent_threads) and parent_threads[0].startswith(iterator_release.THREAD_NAME + "_")
+    assert _wait_for(lambda: iterator_release.held() == 0)
