@@ -7,12 +7,10 @@ over the replicas (`distribute_reduction_method`), and the replica axis
 `MultiWorkerMirroredStrategy`'s output reduction needs.
 """
 
-import functools
 import numbers
 import warnings
 
 import tensorflow as tf
-from tensorflow.python.distribute import values as distribute_values
 
 from keras_dist import _compat, errors
 from keras_dist._model import user_step
@@ -44,68 +42,8 @@ def make(model, replica_step, *, user_written, marks=None):
 
 
 def trace_predict_for_any_batch(model):
-    """Sets `model.predict_function` to `predict_for_any_batch` of it (a model with several replicas)."""
-    model.predict_function = predict_for_any_batch(model.predict_function)
-
-
-def predict_for_any_batch(function):
-    """Returns Keras' predict function (a `tf.function`) traced first for batches of any size on each replica.
-
-    Keras' `predict` hands the function each batch as values, not an iterator,
-    so its first trace fixes each replica's batch size: one device's is the
-    global batch's, a replica's is its share, which can be 0 or 1 row where one
-    device has several. Keras' TensorFlow ops then take paths one device never
-    takes: `ops.add` of two `(0, k)` tensors (a residual `Add`, an `LSTM`
-    cell) chooses `tf.nn.bias_add` and fails ("Shape must be rank 1 but is
-    rank 2"; a new-user probe, `model.predict(x[:1])` on 2 replicas). Traced
-    first with each replica's batch dimension unknown, later batches of any
-    size reuse that trace. A model whose trace needs static batch sizes (the
-    first trace fails) is traced per call, as Keras does.
-
-    Args:
-        function: `model.predict_function` as Keras' factory set it (a
-            `tf.function` taking a list of batches of `PerReplica` values),
-            or anything else, returned as it is (`None`, an eager function,
-            one already wrapped).
-
-    Returns:
-        A callable with `function`'s signature; `__wrapped__` is `function`.
-    """
-    if not isinstance(function, tf.types.experimental.PolymorphicFunction) or getattr(function, _ANY_BATCH, False):
-        return function
-    traced = []
-
-    @functools.wraps(function)
-    def predict(data):
-        if not traced:
-            traced.append(True)
-            try:
-                function.get_concrete_function(tf.nest.map_structure(_any_batch_spec, data))
-            except Exception:  # noqa: BLE001  A model that needs static batch sizes: traced per call, as before.
-                pass
-        return function(data)
-
-    setattr(predict, _ANY_BATCH, True)
-    return predict
-
-
-_ANY_BATCH = "_keras_dist_any_batch"
-
-
-def _any_batch_spec(value):
-    """`value`'s type spec (a tensor's, or a `PerReplica`'s) with each tensor's leading dimension unknown."""
-    if not (tf.is_tensor(value) or isinstance(value, tf.__internal__.CompositeTensor)):
-        return value  # `None`, a Python value: a constant of the trace, as in Keras' own call.
-    spec = tf.type_spec_from_value(value)
-
-    def unknown_rows(component):
-        if isinstance(component, tf.TensorSpec) and component.shape.rank:
-            return tf.TensorSpec([None, *component.shape[1:]], component.dtype, component.name)
-        return component
-
-    if isinstance(spec, distribute_values.PerReplicaSpec):
-        return distribute_values.PerReplicaSpec(*(unknown_rows(c) for c in spec._value_specs))
-    return unknown_rows(spec)
+    """Sets `model.predict_function` to `trainer_functions.predict_for_any_batch` of it (several replicas)."""
+    model.predict_function = trainer_functions.predict_for_any_batch(model.predict_function)
 
 
 def _reduce_in_replica_context(model, outputs, *, user_written):
