@@ -139,20 +139,27 @@ def _gradient(self, target, sources, output_gradients=None, *args, **kwargs):
     with _paused(self):
         weights = _backward_weights(target, step)
         ratios = _share_targets(target, step, weighted=weights is not None)
-    step.weighted_in_backward = weights is not None
-    try:
-        if ratios is not None:  # Terms with shares of their own (ratios, other parts of the batch): each by its own.
-            gradients = loss_terms.TAPE_GRADIENT(self, ratios[0], sources, ratios[1], *args, **kwargs)
-        else:
-            gradients = _tape_gradient(self, target, sources, weights, *args, **kwargs)
-    finally:
-        step.weighted_in_backward = False
+    gradients = _weighted_backward(self, target, sources, ratios, weights, step, *args, **kwargs)
     if weights is None and ratios is None:
         # Weighted by `apply` afterwards: a per-example target counts once, a ratio by its denominator.
         with _paused(self):
             gradients = _per_example_gradient(target, gradients, step)
     with _paused(self):
         return _global_gradient(variables, gradients, step, weighted=weights is not None)
+
+
+def _weighted_backward(tape, target, sources, ratios, weights, step, *args, **kwargs):
+    """`tape.gradient` of `target`: each term by its own share (`ratios`, `_share_targets`), else by `weights`.
+
+    `step.weighted_in_backward` is set while it runs where a share is applied in the backward pass.
+    """
+    step.weighted_in_backward = weights is not None
+    try:
+        if ratios is not None:  # Terms with shares of their own (ratios, other parts of the batch): each by its own.
+            return loss_terms.TAPE_GRADIENT(tape, ratios[0], sources, ratios[1], *args, **kwargs)
+        return _tape_gradient(tape, target, sources, weights, *args, **kwargs)
+    finally:
+        step.weighted_in_backward = False
 
 
 def _mixed_gradient(tape, target, sources, replicated, step, *args, **kwargs):
@@ -171,14 +178,7 @@ def _mixed_gradient(tape, target, sources, replicated, step, *args, **kwargs):
         if weights is None:
             return None
         ratios = _share_targets(target, step, weighted=True)
-    step.weighted_in_backward = True
-    try:
-        if ratios is not None:
-            gradients = loss_terms.TAPE_GRADIENT(tape, ratios[0], sources, ratios[1], *args, **kwargs)
-        else:
-            gradients = _tape_gradient(tape, target, sources, weights, *args, **kwargs)
-    finally:
-        step.weighted_in_backward = False
+    gradients = _weighted_backward(tape, target, sources, ratios, weights, step, *args, **kwargs)
     flat_sources, flat = tf.nest.flatten(sources), list(tf.nest.flatten(gradients))
     own = [i for i, r in enumerate(replicated) if r]
     other = [i for i, r in enumerate(replicated) if not r]
