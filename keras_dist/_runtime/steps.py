@@ -49,7 +49,9 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
         options: `tf.distribute.experimental.CommunicationOptions` for the
             small all-reduce of the counts and divisors.
         forward_backward: `None`, or what `compiled_forward_backward(model)`
-            returned (XLA per replica: terms are weighted by examples).
+            returned (XLA per replica, which weights the loss by examples:
+            used only when every loss term is a mean over examples, else
+            this step runs the exact pass without XLA and warns).
         ride_along: Boolean, the optimizer's `apply` can weight the
             gradients by the example counts inside the gradient all-reduce
             (`keras_dist.collectives._optimizer.weighs_examples_in_all_reduce`).
@@ -78,6 +80,9 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
     loss_terms.one_device_scaling_installed()  # Also for the XLA pass, which records no terms.
     layers.weighted_state_installed()
     with step_state.running(step):
+        if forward_backward is not None and not forward_backward.weighted_by_examples(x, y, sample_weight):
+            warnings.warn(_XLA_NOT_BY_EXAMPLES, stacklevel=2)
+            forward_backward = None  # The exact step, without XLA: one device's numbers first.
         if forward_backward is not None:  # Compiled: `call` cannot hold a collective there.
             if ride_along and not forward_backward.custom_gradients(x, y, sample_weight):
                 share = tf.constant(1.0)
@@ -106,6 +111,17 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
     if step.extras_sums is None:  # `apply` did not carry them (accumulation: it all-reduces every k-th step).
         return model.get_metrics_result()
     return summed_metrics.results(state, step.extras_sums)
+
+
+_XLA_NOT_BY_EXAMPLES = (
+    "compile(jit_compile=True) on several replicas: a loss term of this model is not a mean over the batch's "
+    "examples (a mask, a loss with reduction 'sum' or 'mean_with_sample_weight', or a ratio your "
+    "`compute_loss` computes). Each replica's part of such a loss divides by the "
+    "global batch's divisor, which XLA on one replica cannot reach before the backward pass; so keras-dist "
+    "runs this train step without XLA, with one device's numbers. Expected: loss terms that are means over "
+    "the examples, for XLA per replica. Fix: none is needed for correct numbers; to keep XLA, use such "
+    "losses; to silence this, pass `jit_compile=False`."
+)
 
 
 def _apply(model, gradients, step):
@@ -407,6 +423,11 @@ class _StateCollectingScope(keras.StatelessScope):
         return super().get_current_value(variable)
 
 
+def _regularized_values(model):
+    """`[(variable, its value)]` of the regularized trainable weights: a `StatelessScope` mapping, read where a tape watches."""
+    return [(v, v.value) for v in model.trainable_variables if getattr(v, "regularizer", None) is not None]
+
+
 def compiled_forward_backward(model):
     """Returns one replica's forward and backward pass compiled with XLA, for `train_step`.
 
@@ -424,7 +445,11 @@ def compiled_forward_backward(model):
 
     Returns:
         A callable taking `(x, y, sample_weight, loss_weight)` and returning
-        `(y_pred, loss, gradients)`, as `_forward_backward` does.
+        `(y_pred, loss, gradients)`, as `_forward_backward` does; its
+        `weighted_by_examples(x, y, sample_weight)` says whether every loss
+        term is a mean over examples (where the pass is exact), and
+        `custom_gradients(x, y, sample_weight)` lists custom gradients of
+        one's own in it.
 
     Raises:
         ValueError: When traced: `call` runs a collective (XLA cannot hold
@@ -447,8 +472,7 @@ def compiled_forward_backward(model):
         holder = {}
 
         def scope():  # Entered inside the tape: the regularized weights are read where it watches them.
-            mapping = [(v, v.value) for v in model.trainable_variables if getattr(v, "regularizer", None) is not None]
-            holder["scope"] = _StateCollectingScope(mapping)
+            holder["scope"] = _StateCollectingScope(_regularized_values(model))
             return holder["scope"]
 
         with empty_batch.compiled_by_xla():
@@ -492,7 +516,32 @@ def compiled_forward_backward(model):
             compiled.get_concrete_function(x, y, sample_weight, tf.constant(1.0)).graph.get_operations()
         )
 
+    found = {}  # What a trace of the forward pass under `loss_terms.recording` saw (traced once, kept).
+
+    def weighted_by_examples(x, y, sample_weight):
+        """Whether every loss term of the pass on these inputs is a mean over examples (`LossTerm.weighted_by_examples`).
+
+        The XLA pass weights each replica's loss by its share of the examples, which is exact for such terms
+        (the per-output loss logs of several outputs included, as the compiled steps' tests show).
+
+        Traced, never run: the forward pass and the loss under `loss_terms.recording`, in a graph of its own.
+        """
+        if "by_examples" not in found:
+            compiled.get_concrete_function(x, y, sample_weight, tf.constant(1.0))  # Its refusals first.
+
+            def forward(x, y, sample_weight):
+                with _StateCollectingScope(_regularized_values(model)), loss_terms.recording(model) as record:
+                    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+                    loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+                    loss_terms.own_ratios(record, loss)
+                found["by_examples"] = all(term.weighted_by_examples for term in record.terms)
+                return tf.constant(0)
+
+            tf.function(forward).get_concrete_function(x, y, sample_weight)
+        return found["by_examples"]
+
     run.custom_gradients = custom_gradients
+    run.weighted_by_examples = weighted_by_examples
     return run
 
 

@@ -11,7 +11,10 @@ Importable without TensorFlow having run an op (the programs build nothing at
 import), so the launcher's worker processes and the unit tests share it.
 """
 
+import hashlib
 import importlib
+import os
+import sys
 import time
 
 import numpy as np
@@ -80,6 +83,54 @@ def run_program(program, Model, distribute, initial_weights=None):
     results["model"] = model
     results["seconds"] = time.perf_counter() - start
     results["cpu_seconds"] = time.process_time() - cpu_start
+    return results
+
+
+# A directory where one-device references are kept between test sessions of one stack (CI sets it:
+# the in-process tier writes each reference, the multi-worker tier reads the 22 it needs).
+REFERENCES_ENV = "CORPUS_REFERENCES"
+
+
+def _reference_path(name):
+    """`$CORPUS_REFERENCES/NAME-KEY.npz`, KEY a hash of all a reference depends on; or None if unset."""
+    directory = os.environ.get(REFERENCES_ENV)
+    if not directory:
+        return None
+    import keras
+    import tensorflow as tf
+
+    key = hashlib.sha256()
+    for path in (load(name).__file__, __file__):
+        with open(path, "rb") as f:
+            key.update(f.read())
+    key.update(f"{sys.version} {np.__version__} {keras.__version__} {tf.__version__}".encode())
+    key.update(os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset").encode())
+    return os.path.join(directory, f"{name}-{key.hexdigest()[:16]}.npz")
+
+
+def one_device_reference(name, reuse=False):
+    """The one-device reference of program NAME: `run_program` with plain Keras (`one_device_api`).
+
+    With `$CORPUS_REFERENCES` set to a directory, a computed reference is written there
+    (atomically), and `reuse=True` reads one written by an earlier session of the same program,
+    harness, Python, NumPy, Keras and TensorFlow with the same oneDNN setting (the file name holds
+    a hash of them). A read reference has every compared group, `initial_weights` and `weight_paths`,
+    but no `model`, `seconds` or `cpu_seconds`.
+    """
+    path = _reference_path(name)
+    if reuse and path and os.path.exists(path):
+        results = load_results(path)
+        initial = results.pop("_initial")
+        results["initial_weights"] = [initial[str(i)] for i in range(len(initial))]
+        results["weight_paths"] = [str(p) for p in results.pop("_paths")]
+        return results
+    results = run_program(load(name), *one_device_api())
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        extra = {f"_initial.{i}": w for i, w in enumerate(results["initial_weights"])}
+        extra["_paths"] = np.array(results["weight_paths"], dtype=str)
+        save_results(path + ".tmp.npz", results, **extra)
+        os.replace(path + ".tmp.npz", path)
     return results
 
 
@@ -232,11 +283,11 @@ class auto_strategy:
         return False
 
 
-def save_results(path, results):
-    """Writes the compared groups of `run_program` results to an `.npz` (flat keys like `history.loss`)."""
-    flat = {}
+def save_results(path, results, **extra):
+    """Writes the compared groups of `run_program` results, and `extra` arrays, to an `.npz` (flat keys like `history.loss`)."""
+    flat = dict(extra)
     for group, value in results.items():
-        if group not in ("model", "seconds", "cpu_seconds", "weight_paths"):
+        if group not in ("model", "seconds", "cpu_seconds", "weight_paths", "initial_weights"):
             flat.update(flatten(value, group))
     np.savez(path, **flat)
 

@@ -4,7 +4,8 @@
 is selected (all of them, or the `stacks` subset's few: tests/conftest.py) in the same pair of
 workers (`MultiWorkerMirroredStrategy`, one CPU replica each, on loopback),
 each program from the starting weights of its one-device reference, which runs here in the
-test process (plain `keras.Model`, no strategy). Both workers must match the reference:
+test process (plain `keras.Model`, no strategy), or which the in-process tier of the same stack
+wrote to `$CORPUS_REFERENCES` (`.ci/run` sets it; `harness.one_device_reference`). Both workers must match the reference:
 weights, per-epoch history, `evaluate`, `predict`, to `rtol=atol=1e-4` (`corpus.harness.TOL`),
 as in tests/unit/test_corpus.py. oneDNN is off in the workers too (inherited from
 tests/conftest.py). `KNOWN_FAILURES` as in the unit corpus test: strict xfails.
@@ -73,7 +74,7 @@ def launched(request, tmp_path_factory):
     names = _selected(request)
     references = {}
     for name in names:
-        references[name] = harness.run_program(harness.load(name), *harness.one_device_api())
+        references[name] = harness.one_device_reference(name, reuse=True)  # CI: the in-process tier's
         np.savez(out_dir / f"{name}-initial.npz", *references[name]["initial_weights"])
     # About 15 s a program on 2 idle cores, plus the start; CI runs 3 such streams on its 2 cores, where the
     # last run stopped at 300 s after 14 of 19 programs.

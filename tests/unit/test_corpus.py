@@ -49,7 +49,7 @@ def test_corpus_has_at_least_20_programs():
 def test_program_matches_one_device(name, mirrored_1x2_cpu):
     program = harness.load(name)
     assert program.CHANGE in ("functional", "subclass", "distribute"), program.CHANGE
-    reference = harness.run_program(program, *harness.one_device_api())
+    reference = harness.one_device_reference(name)  # written for the multi-worker tier, if CI asks
     with harness.auto_strategy(mirrored_1x2_cpu):
         got = harness.run_program(program, *harness.distributed_api(), initial_weights=reference["initial_weights"])
     model = got["model"]
@@ -61,3 +61,20 @@ def test_program_matches_one_device(name, mirrored_1x2_cpu):
     assert harness.passed(report), (
         f"{name} on 2 replicas vs one device:\n{harness.describe(report, reference['weight_paths'])}"
     )
+
+
+def test_a_kept_reference_reads_back_as_computed_and_only_for_the_same_stack(tmp_path, monkeypatch):
+    """`one_device_reference` keeps references for CI's multi-worker tier; a kept one is the computed one."""
+    monkeypatch.setenv(harness.REFERENCES_ENV, str(tmp_path))
+    name = "c17_scalar_loss_function"
+    computed = harness.one_device_reference(name)
+    (kept,) = tmp_path.glob(f"{name}-*.npz")
+    read = harness.one_device_reference(name, reuse=True)
+    assert "model" not in read  # read back, not run again
+    report = harness.compare(computed, read, tol=0.0)
+    assert harness.passed(report) and report["weights"]["abs"] == 0.0, harness.describe(report)
+    assert read["weight_paths"] == computed["weight_paths"]
+    for a, b in zip(read["initial_weights"], computed["initial_weights"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "1")  # another stack's numbers: not this reference
+    assert harness._reference_path(name) != str(kept)

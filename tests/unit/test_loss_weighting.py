@@ -929,11 +929,13 @@ def test_scalar_loss_function_with_sample_weights(mirrored_1x3_cpu):
     _train_both(mirrored_1x3_cpu, build, x, y, batch_size=4, fit_kwargs=fit_kwargs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under jit_compile=True per replica, loss terms are weighted by examples, not their own divisors",
-)
 def test_masked_loss_under_jit_compile(mirrored_1x2_cpu):
+    """Was a strict xfail (bias 0.018 off, 16%): XLA per replica weighted the masked loss by examples, not tokens.
+
+    A term that divides by the global batch's divisor needs that divisor before the backward pass, which XLA
+    on one replica cannot reach: the step runs without XLA then, and says so.
+    """
+
     def build(cls, kwargs):
         model = _masked_model(cls, kwargs)
         model.compile(
@@ -944,7 +946,8 @@ def test_masked_loss_under_jit_compile(mirrored_1x2_cpu):
         return model
 
     x, y = _masked_sequences(8)
-    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=False)
+    with pytest.warns(UserWarning, match="runs this train step without XLA"):
+        _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=False)
 
 
 class _GuideMetricsLoop:
