@@ -516,7 +516,7 @@ def compiled_forward_backward(model):
             compiled.get_concrete_function(x, y, sample_weight, tf.constant(1.0)).graph.get_operations()
         )
 
-    found = {}  # What a trace of the forward pass under `loss_terms.recording` saw (traced once, kept).
+    found = {}  # What a trace of the forward pass under `loss_terms.recording` saw, with and without sample weights.
 
     def weighted_by_examples(x, y, sample_weight):
         """Whether every loss term of the pass on these inputs is a mean over examples (`LossTerm.weighted_by_examples`).
@@ -526,7 +526,8 @@ def compiled_forward_backward(model):
 
         Traced, never run: the forward pass and the loss under `loss_terms.recording`, in a graph of its own.
         """
-        if "by_examples" not in found:
+        key = sample_weight is None  # `fit(sample_weight=...)` later retraces the same pass with them.
+        if key not in found:
             compiled.get_concrete_function(x, y, sample_weight, tf.constant(1.0))  # Its refusals first.
 
             def forward(x, y, sample_weight):
@@ -534,11 +535,11 @@ def compiled_forward_backward(model):
                     y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
                     loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
                     loss_terms.own_ratios(record, loss)
-                found["by_examples"] = all(term.weighted_by_examples for term in record.terms)
+                found[key] = all(term.weighted_by_examples for term in record.terms)
                 return tf.constant(0)
 
             tf.function(forward).get_concrete_function(x, y, sample_weight)
-        return found["by_examples"]
+        return found[key]
 
     run.custom_gradients = custom_gradients
     run.weighted_by_examples = weighted_by_examples

@@ -950,6 +950,18 @@ def test_masked_loss_under_jit_compile(mirrored_1x2_cpu):
         _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=False)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
+def test_other_reductions_with_sample_weights_under_jit_compile(mirrored_1x2_cpu, reduction):
+    """A loss whose divisor is not the examples (none: a sum; the weights' sum) under XLA per replica: the exact step."""
+    x, y = _regression(21, seed=18)
+    loss = keras.losses.MeanSquaredError(reduction=reduction)
+    optimizer = lambda: keras.optimizers.SGD(0.01)  # noqa: E731  (a sum over 8 examples: small steps)
+    build = lambda cls, kwargs: _dense(cls, kwargs, loss, optimizer=optimizer(), jit_compile=True)  # noqa: E731
+    weights = np.linspace(0.2, 3.0, 21).astype("float32")
+    with pytest.warns(UserWarning, match="runs this train step without XLA"):
+        _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=False, fit_kwargs={"sample_weight": weights})
+
+
 class _GuideMetricsLoop:
     """keras.io "customizing what happens in fit", first example: one loop over `self.metrics` (compiled `mae`)."""
 
