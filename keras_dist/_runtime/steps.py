@@ -347,6 +347,12 @@ def _cell_contents(cell):
         return None
 
 
+def _training_forward(model, x, y, sample_weight):
+    """`(y_pred, loss)`: the model's forward pass in training mode and Keras' loss of it (`_compute_loss`)."""
+    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+    return y_pred, model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+
+
 def _forward_backward(model, x, y, sample_weight, loss_weight, *, scope=None, collective_refusal=None):
     """Returns `(y_pred, loss, gradients)`: one replica's forward and backward pass.
 
@@ -361,8 +367,7 @@ def _forward_backward(model, x, y, sample_weight, loss_weight, *, scope=None, co
     """
     with tf.GradientTape() as tape:
         with (scope or contextlib.nullcontext)(), observing_collectives(collective_refusal):
-            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            y_pred, loss = _training_forward(model, x, y, sample_weight)
         weighted = loss * tf.cast(loss_weight, loss.dtype)
         if model.optimizer is not None:
             weighted = model.optimizer.scale_loss(weighted)
@@ -386,8 +391,7 @@ def _exact_forward_backward(model, x, y, sample_weight, step, ride_along, option
             observing_collectives() as collectives,
             observing_custom_gradients() as custom_gradients,
         ):
-            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            y_pred, loss = _training_forward(model, x, y, sample_weight)
             loss = zero_when_empty(loss_terms.own_ratios(record, loss), num_examples)  # Inside: the tape sees it.
         if ride_along and not collectives and not custom_gradients and record.all_weighted_by_examples():
             # A collective in `call` (synchronized BatchNormalization) sends the gradient of every replica's loss
@@ -532,8 +536,7 @@ def compiled_forward_backward(model):
 
             def forward(x, y, sample_weight):
                 with _StateCollectingScope(_regularized_values(model)), loss_terms.recording(model) as record:
-                    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-                    loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+                    _, loss = _training_forward(model, x, y, sample_weight)
                     loss_terms.own_ratios(record, loss)
                 found[key] = all(term.weighted_by_examples for term in record.terms)
                 return tf.constant(0)
