@@ -60,7 +60,8 @@ def test_the_gather_benchmark_times_all_reduce_against_all_gather_then_sum(tmp_p
 @pytest.mark.timeout(200)
 def test_the_collective_knobs_benchmark_runs_a_variant_on_two_workers():
     collective_knobs = _benchmark("collective_knobs")
-    for variant in ("default", "unordered (V1 ops)", "grpc: 16 MB frames"):
+    # Two of its variants (CI's time budget): the default, and one set through gRPC's options.
+    for variant in ("default", "grpc: 16 MB frames"):
         seconds, cpu_per_wall = collective_knobs.run_variant(variant, calls=1, timeout=150)
         assert seconds > 0 and cpu_per_wall > 0, (variant, seconds, cpu_per_wall)
 
@@ -68,7 +69,8 @@ def test_the_collective_knobs_benchmark_runs_a_variant_on_two_workers():
 @pytest.mark.timeout(200)
 def test_the_epoch_stall_benchmark_times_every_epoch_on_two_workers():
     epoch_stall = _benchmark("epoch_stall")
-    for variant in ("finite-no-check", "finite-released", "repeated"):
+    # Its two loops (CI's time budget): a finite dataset, re-iterated and released each epoch; a repeated one.
+    for variant in ("finite-released", "repeated"):
         records = epoch_stall.run_variant(variant, epochs=3, steps=4, timeout=150)
         # Every epoch ran its 4 global batches, without the check too, and stopped there.
         assert [r["steps"] for r in records] == [4, 4, 4], (variant, records)

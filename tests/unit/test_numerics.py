@@ -95,9 +95,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("style,num_examples,batch_size", CASES)
-def test_fit_evaluate_predict_match_single_device(style, num_examples, batch_size, multi_replica_strategy):
+def test_fit_evaluate_predict_match_single_device(style, num_examples, batch_size, both_replica_counts):
     x, y = _data(num_examples)
-    reference, model = _make_pair(style, multi_replica_strategy)
+    reference, model = _make_pair(style, both_replica_counts)
     fit = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0, validation_data=(x[:5], y[:5]))
 
     history_ref = reference.fit(x, y, **fit).history
@@ -128,7 +128,7 @@ def test_every_variable_is_mirrored(mirrored_1x2_cpu):
     assert all(v.value._distribute_strategy is mirrored_1x2_cpu for v in owned)
 
 
-def test_regularization_loss_counted_once(multi_replica_strategy):
+def test_regularization_loss_counted_once(both_replica_counts):
     """Layer losses are the same on every replica and must enter the gradient once."""
     x, y = _data(7)
 
@@ -140,7 +140,7 @@ def test_regularization_loss_counted_once(multi_replica_strategy):
         return model
 
     reference = build(keras.Model)
-    model = build(keras_dist.DistributedModel, strategy=multi_replica_strategy)
+    model = build(keras_dist.DistributedModel, strategy=both_replica_counts)
     history_ref = reference.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
     history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
     assert max_weight_difference(reference, model) < TOL
