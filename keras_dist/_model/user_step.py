@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist._runtime import accumulation, loss_terms, user_steps, variables
+from keras_dist._runtime import loss_terms, user_steps
 from keras_dist.collectives import _all_reduce
 from keras_dist.collectives import _optimizer as collectives_optimizer
 
@@ -50,15 +50,17 @@ def exact_for_global_batch(model, step, *, marks=None):
 def _tape_all_reduce(model):
     """The all-reduce that makes `tape.gradient` in a step of the user's return the global batch's gradients.
 
-    `None` (the replica's gradients reach `apply`, which sums them) when an
-    optimizer of the model accumulates gradients (each replica sums its k
-    micro-batches before one all-reduce) or Keras' own sum inside `apply`
-    is in use (`sum_gradients_before_apply` off).
+    With gradient accumulation too: the step may clip or otherwise edit each
+    micro-batch's gradients before `apply_gradients` adds them up, as one
+    device edits the micro-batch's (the replicas' own gradients, summed only
+    every k-th micro-batch, were clipped each by its own norm). Each
+    micro-batch then costs an all-reduce, as under PyTorch DDP without
+    `no_sync`; keras-dist's own step (no `train_step` of the user's) keeps
+    one all-reduce per k micro-batches. `None` (the replica's gradients
+    reach `apply`, which sums them) when Keras' own sum inside `apply` is
+    in use (`sum_gradients_before_apply` off).
     """
-    optimizers = variables.optimizers_in([getattr(model, "optimizer", None), *vars(model).values()])
-    if not _compat.is_active("sum_gradients_before_apply") or any(
-        accumulation.accumulates_anywhere(o) for o in optimizers
-    ):
+    if not _compat.is_active("sum_gradients_before_apply"):
         return None
     strategy = model._distribute_strategy
 

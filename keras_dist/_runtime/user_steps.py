@@ -170,7 +170,7 @@ def _mixed_gradient(tape, target, sources, replicated, step, *args, **kwargs):
     (`_global_gradient`), the tensors' kept as this replica's part
     (`_replica_part_gradient`), a tensor the whole batch shares summed. `None`
     where the weights' gradients are not summed here (another tape records,
-    gradient accumulation): the caller then returns this replica's own, as
+    or no `tape_all_reduce`): the caller then returns this replica's own, as
     TensorFlow's tape does.
     """
     with _paused(tape):
@@ -374,12 +374,14 @@ def _global_gradient(variables, gradients, step, *, weighted=False):
     the gradient of the global batch's loss on every replica, and the
     optimizer's `apply` sums nothing again (`ReplicaStep.already_summed`).
 
+    Under gradient accumulation too: `apply` adds the summed micro-batch
+    gradients to each replica's sums and all-reduces nothing again.
+
     Left as this replica's (weighted and summed by `apply`): a gradient asked
     while another tape records (a gradient of a gradient: the sum would be
     differentiated), and every gradient of a step without `tape_all_reduce`
-    (gradient accumulation sums k micro-batches on each replica first). Such
-    a gradient takes its variables out of `global_gradient_ids`, so that
-    `apply` sums whatever it is given for them.
+    (Keras' own sum inside `apply`). Such a gradient takes its variables out
+    of `global_gradient_ids`, so that `apply` sums whatever it is given for them.
     """
     flat = tf.nest.flatten(gradients)
     if step.tape_all_reduce is None or record.could_possibly_record() or len(flat) != len(variables):

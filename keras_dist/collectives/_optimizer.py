@@ -316,16 +316,31 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     marks = step.marks if step is not None else None  # The timeline's timestamps (None: it is off).
     if marks is not None:
         marks.stamp("gradients", grads)  # Taken by keras-dist's own step already; a step of the user's: here.
-    if step is not None and step.already_summed(variables) and not accumulating:
-        # A step of the user's whose `tape.gradient` returned the global batch's gradients (`user_steps`).
+    sums = optimizer_patches.state(optimizer).sums
+    if step is not None and step.already_summed(variables):
+        # A step of the user's whose `tape.gradient` returned the global batch's gradients (`user_steps`), the
+        # same on every replica: applied, or added to the replica's sums and applied every k-th micro-batch,
+        # without another all-reduce.
         with ki.gradients_already_reduced(optimizer):
-            _keras_apply(optimizer, keras_apply, grads, variables, accumulating=False)
+            if accumulating and sums is not None and sums.matches(variables):
+                accumulation.accumulate_then_apply(
+                    optimizer,
+                    grads,
+                    variables,
+                    sums,
+                    to_wire=list,
+                    cross_replica_sum=lambda strategy, values: values,
+                    from_wire=lambda value, dtype: value,
+                    apply=lambda summed, variables: _apply_keeping_rows(optimizer, keras_apply, summed, variables),
+                    densify=options.sparse_gradients == "dense",
+                )
+            else:
+                _keras_apply(optimizer, keras_apply, grads, variables, accumulating=accumulating)
         if marks is not None:
             marks.stamp("applied", variables)
         return
     if step is not None and step.weighting == step_state.EXAMPLES:  # A user's step: its replica's mean loss.
         grads = [step.by_share(g) for g in grads]
-    sums = optimizer_patches.state(optimizer).sums
     names = structure_check_names(variables, context.strategy)
     with ki.gradients_already_reduced(optimizer):
         if accumulating and sums is not None and sums.matches(variables):

@@ -763,8 +763,26 @@ def test_a_gradient_with_respect_to_the_batch_is_one_devices(mirrored_1x2_cpu, k
     _train_both(mirrored_1x2_cpu, _dense_with_step(mixin, loss="mse"), x, y, batch_size=8, evaluate=False)
 
 
-@pytest.mark.xfail(strict=True, reason="with gradient_accumulation_steps, tape.gradient is the replica's own")
+@pytest.mark.parametrize("kind", ["mixed", "adversarial"])
+def test_a_gradient_with_respect_to_the_batch_under_gradient_accumulation(mirrored_1x2_cpu, kind):
+    """`[x] + weights` in one list, and `x` alone, with `gradient_accumulation_steps`: one device's.
+
+    The mixed list gave each replica's own gradients there (x's 2x one device's on even replicas).
+    """
+    x, y = _regression(21, seed=17)
+    plain, distributed = _classes(type("Step", (_InputGradientStep,), {"kind": kind}))
+
+    def build(cls, kwargs):
+        inputs = keras.Input((3,))
+        model = (plain if cls is keras.Model else distributed)(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
+        return model
+
+    _train_both(mirrored_1x2_cpu, build, x, y, batch_size=8, evaluate=False)
+
+
 def test_user_step_clipping_by_hand_with_gradient_accumulation(mirrored_1x2_cpu):
+    """Was a strict xfail: under `gradient_accumulation_steps`, `tape.gradient` was the replica's own (each clipped by its own norm)."""
     x, y = _regression(16, seed=9)
     y = y * 10.0  # The clip binds.
     plain, distributed = _classes(_HandClippedStep)
