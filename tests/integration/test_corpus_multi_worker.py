@@ -29,7 +29,8 @@ ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 # losses that see the whole batch through keras_dist.ops.all_gather (issue 25): SimCLR, a CLIP-style
 # dual encoder (last batch 2/1), in-batch softmax retrieval,
 # batch-hard triplets on uneven parts with global_batch_offset; a PyDataset of array slices; keras.io's
-# callbacks guide with float() of the learning rate; a perplexity computed from a tracker's result.
+# callbacks guide with float() of the learning rate; a perplexity computed from a tracker's result; a step of
+# one's own clipping each micro-batch's gradient under Keras' gradient accumulation.
 PROGRAMS = [
     "c01_mnist_convnet",
     "c12_normalization_adapt",
@@ -53,6 +54,7 @@ PROGRAMS = [
     "c38_custom_callbacks_guide",
     "c39_perplexity_from_tracker",
     "c40_step_adding_layer_losses",
+    "c41_accumulated_clipped_train_step",
 ]
 KNOWN_FAILURES = {}
 
