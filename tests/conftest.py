@@ -58,7 +58,7 @@ def mirrored_1x2_cpu_collective():
 def multi_replica_strategy(request):
     """Several replicas: 2 (CI's time budget). 3 replicas, uneven by construction, are checked where they
     add a case 2 do not: `test_numerics.py` (both counts), the uneven-split and empty-replica tests, and the
-    tests that ask for `mirrored_1x3_cpu` by name (about 60). Until stop 50 each test here ran on both counts:
+    tests that ask for `mirrored_1x3_cpu` by name (55 test functions). Until stop 50 each test here ran on both counts:
     the 3-replica copies cost about 380 CPU seconds of a CI run."""
     return mirrored(request.param)
 

@@ -72,7 +72,7 @@ def test_the_epoch_stall_benchmark_times_every_epoch_on_two_workers():
     # Its two loops (CI's time budget): a finite dataset, re-iterated and released each epoch; a repeated one.
     for variant in ("finite-released", "repeated"):
         records = epoch_stall.run_variant(variant, epochs=3, steps=4, timeout=150)
-        # Every epoch ran its 4 global batches, without the check too, and stopped there.
+        # Every epoch ran its 4 global batches and stopped there.
         assert [r["steps"] for r in records] == [4, 4, 4], (variant, records)
         figures = epoch_stall.summarize(records)
         assert figures["median_step_ms"] > 0 and len(figures["epoch_ms_per_step"]) == 2, figures
