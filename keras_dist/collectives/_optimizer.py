@@ -291,7 +291,34 @@ def weighs_examples_in_all_reduce(optimizer):
 
 
 def _apply_summed(optimizer, grads, trainable_variables=None):
-    """The `apply` `distributed_optimizer` installs (bound to the optimizer instance)."""
+    """The `apply` `distributed_optimizer` installs (bound to the optimizer instance).
+
+    Raises:
+        RuntimeError: called in a branch of `tf.cond` or `tf.while_loop` (or
+            a nested `tf.function`) of a step on several replicas, where
+            TensorFlow cannot sum over the replicas (its `merge_call` error,
+            which names neither the optimizer nor the remedy), as a
+            hand-written accumulation (`tf.cond(count == k, apply, ...)`) does.
+    """
+    try:
+        return _apply_summed_in_step(optimizer, grads, trainable_variables)
+    except RuntimeError as error:
+        if "`merge_call` called while defining a new graph" not in str(error):
+            raise
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.apply_gradients() (or apply()) ran inside a tf.cond or tf.while_loop "
+            f"branch, or a nested tf.function, of the step on {replicas} replicas. Expected: the optimizer "
+            "applied unconditionally in train_step, where keras-dist can sum the gradients over the replicas "
+            "(TensorFlow cannot inside a control-flow branch). To accumulate gradients, drop the hand-written "
+            "accumulation (variables and tf.cond) and pass gradient_accumulation_steps=k to the optimizer, "
+            "e.g. keras.optimizers.Adam(1e-3, gradient_accumulation_steps=4): it applies every k-th step, as "
+            "on one device."
+        ) from error
+
+
+def _apply_summed_in_step(optimizer, grads, trainable_variables):
+    """`_apply_summed`'s work, in replica context or not."""
     keras_apply = type(optimizer).apply
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1 or not _compat.is_active("sum_gradients_before_apply"):

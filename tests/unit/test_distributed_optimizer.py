@@ -320,3 +320,37 @@ def test_loss_scale_optimizer_around_an_accumulating_optimizer_matches_single_de
     reference = run(keras.Model)
     model = run(keras_dist.DistributedModel, strategy=mirrored_1x2_cpu)
     assert max_weight_difference(reference, model) < (1e-5 if policy == "float32" else 1e-3)
+
+
+class _HandAccumulatedStep(keras_dist.DistributedModel):
+    """The hand-written accumulation of pre-Keras-3 answers (a new-user probe): variables, then `tf.cond`."""
+
+    def train_step(self, data):
+        if not hasattr(self, "count"):
+            self.count = tf.Variable(0, trainable=False)
+            self.sums = [tf.Variable(tf.zeros_like(v), trainable=False) for v in self.trainable_variables]
+        x, y = data
+        self.count.assign_add(1)
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        for total, gradient in zip(self.sums, tape.gradient(loss, self.trainable_variables)):
+            total.assign_add(gradient)
+
+        def apply():
+            self.optimizer.apply_gradients(zip([s / 2 for s in self.sums], self.trainable_variables))
+            self.count.assign(0)
+            for total in self.sums:
+                total.assign(tf.zeros_like(total))
+
+        tf.cond(tf.equal(self.count, 2), apply, lambda: None)
+        return {}
+
+
+def test_apply_gradients_inside_tf_cond_names_gradient_accumulation_steps(mirrored_1x2_cpu):
+    """TensorFlow's own error talked of nested tf.functions and named neither the optimizer nor the remedy."""
+    inputs = keras.Input((3,))
+    model = _HandAccumulatedStep(inputs, keras.layers.Dense(1)(inputs), strategy=mirrored_1x2_cpu, name="hand")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(RuntimeError, match=r"SGD.apply_gradients\(\) .* tf.cond .*gradient_accumulation_steps=k"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
