@@ -936,6 +936,37 @@ def test_user_step_trackers_of_sums_over_the_batch(mirrored_1x3_cpu):
     _train_both(mirrored_1x3_cpu, _dense_with_step(_SumTrackersStep), x, y, batch_size=8, evaluate=False)
 
 
+class _SumMetricsStep:
+    """A `keras.metrics.Sum` of the batch's mean loss and of the optimizer's step count (a new-user probe, stop 50)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.total = keras.metrics.Sum(name="sum_of_batch_losses")
+        self.steps_seen = keras.metrics.Sum(name="steps_seen")
+
+    @property
+    def metrics(self):
+        return [self.total, self.steps_seen]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        self.total.update_state(loss)
+        self.steps_seen.update_state(ops.cast(self.optimizer.iterations, "float32"))
+        return {m.name: m.result() for m in self.metrics}
+
+
+@pytest.mark.xfail(
+    strict=True, reason="a Sum metric adds every replica's value: N times one device's for a value alike"
+)
+def test_user_step_sum_metrics_of_values_every_replica_holds(mirrored_1x2_cpu):
+    """About 2x one device's on 2 replicas (sum of batch losses 5.82 vs 2.85, steps 30 vs 15); a `Sum` of rows is right."""
+    x, y = _regression(21, seed=12)
+    _train_both(mirrored_1x2_cpu, _dense_with_step(_SumMetricsStep, loss="mse"), x, y, batch_size=8, evaluate=False)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="Keras multiplies a loss function's one number by the weights' batch mean: no split keeps that product",
