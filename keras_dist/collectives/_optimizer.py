@@ -305,7 +305,8 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
     except RuntimeError as error:
         if "`merge_call` called while defining a new graph" not in str(error):
             raise
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync if context is not None else "several"
         raise RuntimeError(
             f"{type(optimizer).__name__}.apply_gradients() (or apply()) ran inside a tf.cond or tf.while_loop "
             f"branch, or a nested tf.function, of the step on {replicas} replicas. Expected: the optimizer "
