@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist._runtime import accumulation, optimizer_patches, rows, step_state
+from keras_dist._runtime import accumulation, optimizer_patches, rows, step_state, strategy_info
 from keras_dist._runtime import keras_internals as ki
 from keras_dist._runtime import variables as variables_module
 from keras_dist.collectives import _all_reduce
@@ -300,13 +300,11 @@ def _apply_summed(optimizer, grads, trainable_variables=None):
             which names neither the optimizer nor the remedy), as a
             hand-written accumulation (`tf.cond(count == k, apply, ...)`) does.
     """
+    user_branch = strategy_info.in_nested_graph_of_replica()  # Before Keras' own conditionals (EMA, accumulation).
     try:
         return _apply_summed_in_step(optimizer, grads, trainable_variables)
     except RuntimeError as error:
-        keras_own_cond = accumulation.accumulates_anywhere(optimizer) and not _compat.is_active(
-            "gradient_accumulation_under_strategy"
-        )  # Keras' own accumulation branch, with the fix off: its error, as its compat test expects.
-        if keras_own_cond or "`merge_call` called while defining a new graph" not in str(error):
+        if not user_branch or "`merge_call` called while defining a new graph" not in str(error):
             raise
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync if context is not None else "several"
