@@ -63,6 +63,7 @@ _ORIGINAL = {
     "scale_loss_for_distribution": keras_loss.scale_loss_for_distribution,
     "unscale_loss_for_distribution": keras_loss.unscale_loss_for_distribution,
     "mean_update_state": reduction_metrics.Mean.update_state,
+    "sum_update_state": reduction_metrics.Sum.update_state,
     "add_loss": keras_layer.Layer.add_loss,
     "get_own_losses": keras_layer.Layer._get_own_losses,
     "clear_losses": keras_layer.Layer._clear_losses,
@@ -161,6 +162,7 @@ def _install():
             keras_loss.scale_loss_for_distribution = _scale_loss_for_distribution
             keras_loss.unscale_loss_for_distribution = _unscale_loss_for_distribution
             reduction_metrics.Mean.update_state = _mean_update_state
+            reduction_metrics.Sum.update_state = _sum_update_state
             keras_layer.Layer.add_loss = _recording_add_loss
             keras_layer.Layer._get_own_losses = _replica_get_own_losses
             keras_layer.Layer._clear_losses = _replica_clear_losses
@@ -216,6 +218,32 @@ def _mean_update_state(self, values, sample_weight=None):
         return original(self, values, sample_weight)
     value = shared_value(values, step, self.dtype)
     return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
+
+
+def _sum_update_state(self, values, sample_weight=None):
+    """`keras.metrics.Sum.update_state`; inside a user's step, a value that is not one row per example counts by its share.
+
+    On one device a `Sum` gains the global batch's value. Its state is summed
+    over the replicas, so each replica adds its share: a scalar term by term
+    (`shared_value`: a loss by its share of the examples or of its divisor, a
+    sum over the examples once, a value alike on every replica, such as
+    `optimizer.iterations`, by the example share, whose sum is 1), any other
+    tensor by `shared_tensor`; a tensor with one row per example (each
+    replica holds its own rows) as it is. Before, a `Sum` of `compute_loss`'
+    value or of the step count read 2x one device's on 2 replicas (a new-user
+    probe, stop 50). With `sample_weight`, Keras' own update (a weighted sum
+    of rows).
+    """
+    original = _ORIGINAL["sum_update_state"]
+    step = step_state.current()
+    if step is None or not step.user_step or sample_weight is not None or type(self).update_state is not _sum_update_state:
+        return original(self, values, sample_weight)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return original(self, values, sample_weight)
+    values = tf.cast(tf.convert_to_tensor(values), self.dtype)
+    share = shared_value if values.shape.rank == 0 else shared_tensor
+    return original(self, share(values, step, self.dtype))
 
 
 def _note_own_tracker(record, tracker, values):

@@ -937,34 +937,42 @@ def test_user_step_trackers_of_sums_over_the_batch(mirrored_1x3_cpu):
 
 
 class _SumMetricsStep:
-    """A `keras.metrics.Sum` of the batch's mean loss and of the optimizer's step count (a new-user probe, stop 50)."""
+    """`keras.metrics.Sum`s of the batch's mean loss, of the optimizer's step count (a new-user probe, stop 50), of rows,
+    of a sum over the examples and of a mean per column."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.total = keras.metrics.Sum(name="sum_of_batch_losses")
         self.steps_seen = keras.metrics.Sum(name="steps_seen")
+        self.squared_errors = keras.metrics.Sum(name="sum_of_squared_errors")
+        self.targets = keras.metrics.Sum(name="sum_of_targets")
+        self.column_means = keras.metrics.Sum(name="sum_of_column_means")
 
     @property
     def metrics(self):
-        return [self.total, self.steps_seen]
+        return [self.total, self.steps_seen, self.squared_errors, self.targets, self.column_means]
 
     def train_step(self, data):
         x, y = data
         with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
         self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
         self.total.update_state(loss)
         self.steps_seen.update_state(ops.cast(self.optimizer.iterations, "float32"))
+        self.squared_errors.update_state(ops.square(y - y_pred))  # One row per example.
+        self.targets.update_state(ops.sum(y))  # A sum over the examples.
+        self.column_means.update_state(ops.mean(x, axis=0))  # One number per column, a mean over the examples.
         return {m.name: m.result() for m in self.metrics}
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a Sum metric adds every replica's value: N times one device's for a value alike"
-)
-def test_user_step_sum_metrics_of_values_every_replica_holds(mirrored_1x2_cpu):
-    """About 2x one device's on 2 replicas (sum of batch losses 5.82 vs 2.85, steps 30 vs 15); a `Sum` of rows is right."""
+@pytest.mark.parametrize("strategy", ["mirrored_1x2_cpu", "mirrored_1x3_cpu"])
+def test_user_step_sum_metrics_count_as_one_device(request, strategy):
+    """Was a strict xfail: a `Sum` added every replica's value, about 2x one device's on 2 replicas (sum of batch
+    losses 5.82 vs 2.85, steps 30 vs 15). 21 examples in batches of 8: uneven replicas, and on 3 an empty one."""
     x, y = _regression(21, seed=12)
-    _train_both(mirrored_1x2_cpu, _dense_with_step(_SumMetricsStep, loss="mse"), x, y, batch_size=8, evaluate=False)
+    strategy = request.getfixturevalue(strategy)
+    _train_both(strategy, _dense_with_step(_SumMetricsStep, loss="mse"), x, y, batch_size=8, evaluate=False)
 
 
 @pytest.mark.xfail(
