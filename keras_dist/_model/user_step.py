@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _compat
-from keras_dist._runtime import loss_terms, user_steps
+from keras_dist._runtime import loss_terms, steps, user_steps
 from keras_dist.collectives import _all_reduce
 from keras_dist.collectives import _optimizer as collectives_optimizer
 
@@ -34,6 +34,8 @@ def exact_for_global_batch(model, step, *, marks=None):
         return step
 
     def run(data):
+        if not isinstance(model._distribute_strategy, tf.distribute.TPUStrategy):  # A TPU traces static shapes only.
+            data = steps.with_dynamic_batch(data)
         with user_steps.user_step(
             model,
             data,

@@ -201,7 +201,11 @@ def _mean_update_state(self, values, sample_weight=None):
     A ratio of sums (`ratio_share`) counts by its share of the denominator,
     a sum over the examples (`update_state(ops.sum(correct))`) once, and a
     sum of such terms and others (`linear_ratio_terms`) counts each term by
-    its own share (`shared_value`).
+    its own share (`shared_value`). A vector that is not one row per example
+    (a count per class, `ops.sum(one_hot, axis=0)`; a mean per column) counts
+    the same way, entry by entry (`shared_tensor`): each replica added its
+    own entries and a count of them, 1/N of one device's mean for the counts
+    (a new-user probe, stop 51). Rows are Keras' own update.
     """
     original = _ORIGINAL["mean_update_state"]
     step = step_state.current()
@@ -214,9 +218,10 @@ def _mean_update_state(self, values, sample_weight=None):
         return original(self, values, sample_weight)
     values = tf.convert_to_tensor(values)
     num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-    if values.shape.rank != 0 or num_replicas == 1:
-        return original(self, values, sample_weight)
-    value = shared_value(values, step, self.dtype)
+    if num_replicas == 1 or values.shape.rank is None or per_example(values, step):
+        return original(self, values, sample_weight)  # Rows: each replica adds its own, and counts them.
+    share = shared_value if values.shape.rank == 0 else shared_tensor
+    value = share(tf.cast(values, self.dtype), step, self.dtype)
     return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
 
 

@@ -938,7 +938,7 @@ def test_user_step_trackers_of_sums_over_the_batch(mirrored_1x3_cpu):
 
 class _SumMetricsStep:
     """`keras.metrics.Sum`s of the batch's mean loss, of the optimizer's step count (a new-user probe, stop 50), of rows,
-    of a sum over the examples and of a mean per column."""
+    of a sum over the examples and of a mean per column; `Mean`s of a mean per column and of counts per class."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -947,10 +947,20 @@ class _SumMetricsStep:
         self.squared_errors = keras.metrics.Sum(name="sum_of_squared_errors")
         self.targets = keras.metrics.Sum(name="sum_of_targets")
         self.column_means = keras.metrics.Sum(name="sum_of_column_means")
+        self.mean_column_means = keras.metrics.Mean(name="mean_of_column_means")
+        self.mean_class_counts = keras.metrics.Mean(name="mean_of_class_counts")
 
     @property
     def metrics(self):
-        return [self.total, self.steps_seen, self.squared_errors, self.targets, self.column_means]
+        return [
+            self.total,
+            self.steps_seen,
+            self.squared_errors,
+            self.targets,
+            self.column_means,
+            self.mean_column_means,
+            self.mean_class_counts,
+        ]
 
     def train_step(self, data):
         x, y = data
@@ -963,6 +973,9 @@ class _SumMetricsStep:
         self.squared_errors.update_state(ops.square(y - y_pred))  # One row per example.
         self.targets.update_state(ops.sum(y))  # A sum over the examples.
         self.column_means.update_state(ops.mean(x, axis=0))  # One number per column, a mean over the examples.
+        # A `Mean` of such vectors (stop 51: each replica added its entries and their count, 1/N of one device's).
+        self.mean_column_means.update_state(ops.mean(x, axis=0))
+        self.mean_class_counts.update_state(ops.sum(ops.one_hot(ops.cast(y[:, 0] > 0, "int32"), 2), axis=0))
         return {m.name: m.result() for m in self.metrics}
 
 
@@ -973,6 +986,46 @@ def test_user_step_sum_metrics_count_as_one_device(request, strategy):
     x, y = _regression(21, seed=12)
     strategy = request.getfixturevalue(strategy)
     _train_both(strategy, _dense_with_step(_SumMetricsStep, loss="mse"), x, y, batch_size=8, evaluate=False)
+
+
+class _HandWrittenMeanStep:
+    """A mean written by hand, `ops.sum(...) / ops.shape(x)[0]`, and trackers of the row count (a new-user probe, stop 51)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.rows = keras.metrics.Mean(name="rows")
+        self.seen = keras.metrics.Sum(name="seen")
+        self.ones = keras.metrics.Sum(name="ones")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.rows, self.seen, self.ones]
+
+    def train_step(self, data):
+        x, y = data
+        batch_size = ops.cast(ops.shape(x)[0], "float32")
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = ops.sum(ops.square(y - y_pred)) / batch_size
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        self.loss_tracker.update_state(loss)
+        self.rows.update_state(batch_size)
+        self.seen.update_state(ops.cast(tf.shape(x)[0], "float32"))
+        self.ones.update_state(ops.sum(ops.ones_like(y)))
+        return {m.name: m.result() for m in self.metrics}
+
+
+@pytest.mark.parametrize(
+    "strategy, num_examples, batch_size", [("mirrored_1x2_cpu", 32, 8), ("mirrored_1x3_cpu", 36, 9)]
+)
+def test_user_step_dividing_by_its_row_count_on_even_splits(request, strategy, num_examples, batch_size):
+    """Every batch splits evenly: each replica's step was traced with a static batch size, so `ops.shape(x)[0]` was
+    a constant and the hand-written mean counted as a sum, once per replica (loss 4.51 vs 2.25, kernel -0.195 vs
+    -0.0047 on 2 replicas; row counts 4 vs 8). An uneven split (a dynamic size) was exact."""
+    x, y = _regression(num_examples, seed=21)
+    strategy = request.getfixturevalue(strategy)
+    _train_both(strategy, _dense_with_step(_HandWrittenMeanStep), x, y, batch_size=batch_size, evaluate=False)
 
 
 @pytest.mark.xfail(

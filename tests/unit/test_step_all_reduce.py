@@ -285,3 +285,45 @@ def test_a_step_of_ones_own_sums_its_gradients_once(mirrored_1x2_cpu):
     np.testing.assert_allclose(model.get_weights()[0], reference.get_weights()[0], atol=TOL)
     # One trace; the example counts are summed before `train_step` is entered, so not counted here.
     assert counts["all_reduce"] == mirrored_1x2_cpu.num_replicas_in_sync, counts
+
+
+class _PositiveRate(keras.metrics.Metric):
+    """A metric with int32 state (a new-user probe, stop 51), as public code writes counters."""
+
+    def __init__(self, name="positive_rate", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.positives = self.add_variable(shape=(), name="positives", initializer="zeros", dtype="int32")
+        self.seen = self.add_variable(shape=(), name="seen", initializer="zeros", dtype="int32")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.positives.assign_add(keras.ops.sum(keras.ops.cast(y_pred > 0, "int32")))
+        self.seen.assign_add(keras.ops.cast(keras.ops.shape(y_pred)[0], "int32"))
+
+    def result(self):
+        return keras.ops.cast(self.positives, "float32") / keras.ops.cast(self.seen, "float32")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="TensorFlow's MirroredStrategy batch_reduce_to refuses two int32 values (a new ReductionToOneDevice each)",
+)
+def test_a_compiled_metric_with_int32_state_matches_one_device(mirrored_1x2_cpu):
+    """fit failed: "Inputs to batch_reduce_to must be either all on the host or all on the compute devices"
+    (`_model/metrics.result_from_summed_state`, one `batch_reduce_to` per dtype). Next: int32 state summed one
+    variable at a time, as a compat fix of TensorFlow's (its `_get_cross_device_ops` makes a new
+    `ReductionToOneDevice` for every int32 value, so two never match)."""
+    rs = np.random.RandomState(0)
+    x, y = rs.normal(size=(37, 5)).astype("float32"), rs.normal(size=(37, 1)).astype("float32")
+
+    def build(cls, **kwargs):
+        inputs = keras.Input((5,))
+        model = cls(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=[_PositiveRate()])
+        return model
+
+    def train(model):
+        history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history
+        return {"history": history, "evaluate": model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)}
+
+    keras_dist.testing.assert_matches_single_device(build, strategy=mirrored_1x2_cpu, train=train, atol=1e-5)

@@ -268,7 +268,9 @@ def test_run_workers_kills_a_hung_worker_and_its_children_at_the_timeout(tmp_pat
             time.sleep(60)
         """,
     )
-    result = run_workers(script, [str(tmp_path)], timeout=3, grace_period=0.5, stop_on_failure=False)
+    # 10 s: worker 1 starts, starts its child and exits well before it on a loaded machine (3 s was too short at
+    # a load of 8 on 2 cores, stop 51); worker 0 sleeps (no CPU) until the timeout.
+    result = run_workers(script, [str(tmp_path)], timeout=10, grace_period=0.5, stop_on_failure=False)
     assert result.timed_out and not result.ok
     assert result[0].timed_out and result[0].returncode == -9
     assert result[1].returncode == 0 and not result[1].timed_out
