@@ -241,7 +241,12 @@ def _sum_update_state(self, values, sample_weight=None):
     """
     original = _ORIGINAL["sum_update_state"]
     step = step_state.current()
-    if step is None or not step.user_step or sample_weight is not None or type(self).update_state is not _sum_update_state:
+    if (
+        step is None
+        or not step.user_step
+        or sample_weight is not None
+        or type(self).update_state is not _sum_update_state
+    ):
         return original(self, values, sample_weight)
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
