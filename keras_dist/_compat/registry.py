@@ -594,5 +594,18 @@ FIXES = {
             checked_on=("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026"),
             remove_when=_OPEN_TF,
         ),
+        Fix(
+            name="int32_batch_reduce",
+            package="tensorflow",
+            verified=">=2.18,<2.22",
+            upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/tensorflow/python/distribute/mirrored_strategy.py (MirroredExtended._get_cross_device_ops returns a new ReductionToOneDevice for each int32 value, and _batch_reduce_to refuses values whose cross-device ops differ; no upstream report found)",
+            symptom="Under MirroredStrategy, fit and evaluate fail with 'Inputs to batch_reduce_to must be either "
+            "all on the host or all on the compute devices' when a compiled metric keeps two int32 state "
+            "variables (a counter of positives and one of examples).",
+            remedy="keras-dist sums int32 metric state one variable at a time (one batch_reduce_to each); other "
+            "dtypes stay packed in one sum per dtype.",
+            checked_on=("2.18.1", "2.20.0", "2.21.0"),
+            remove_when=_OPEN_TF,
+        ),
     ]
 }

@@ -57,13 +57,20 @@ def result_from_summed_state(model, strategy, keras_get_metrics_result):
     if not by_dtype:
         return keras_get_metrics_result()
     state_mapping = []
-    for summed in by_dtype.values():
-        reduced = strategy.extended.batch_reduce_to(
-            tf.distribute.ReduceOp.SUM,
-            [(v.value, v.value) for v in summed],
-            options=model.communication.to_tensorflow(),
-        )
-        state_mapping += [(v, strategy.experimental_local_results(r)[0]) for v, r in zip(summed, reduced)]
+    for dtype, summed in by_dtype.items():
+        # int32: TensorFlow's MirroredStrategy reduces each int32 value with its own ReductionToOneDevice
+        # and refuses two in one batch_reduce_to (`_compat` `int32_batch_reduce`): one call per variable.
+        if dtype == "int32" and _compat.is_active("int32_batch_reduce"):
+            batches = [[v] for v in summed]
+        else:
+            batches = [summed]
+        for batch in batches:
+            reduced = strategy.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM,
+                [(v.value, v.value) for v in batch],
+                options=model.communication.to_tensorflow(),
+            )
+            state_mapping += [(v, strategy.experimental_local_results(r)[0]) for v, r in zip(batch, reduced)]
     with keras.StatelessScope(state_mapping=state_mapping):
         # Read inside the scope: a metric whose `result()` returns its variable itself (a running
         # maximum) would otherwise hand out the variable, read later as this replica's own state.
