@@ -125,9 +125,10 @@ class TrackerUpdate:
 
 @dataclasses.dataclass
 class OwnTrackerUpdate:
-    """A scalar `keras.metrics.Mean.update_state(value)` of the model's own code in keras-dist's step, with the state before.
+    """A scalar `keras.metrics.Mean` or `Sum` `update_state(value)` of the model's own code in keras-dist's step, with the state before.
 
-    Keras' `compute_loss` docstring overrides it with such a tracker. Its
+    Keras' `compute_loss` docstring overrides it with such a tracker. `count`
+    is `None` for a `Sum`. Its
     `terms` are `value`'s (`terms_of`), each `(coefficient, tensor, index)`:
     `index` is the ratio's `LossTerm` in the record, or `None`.
     """
@@ -191,7 +192,7 @@ def _unscale_loss_for_distribution(value):
 
 
 def _mean_update_state(self, values, sample_weight=None):
-    """`keras.metrics.Mean.update_state`; inside a user's step, a scalar without weight counts by the example share.
+    """`keras.metrics.Mean.update_state`; in a step on several replicas, a scalar without weight counts by its share.
 
     On one device a loss tracker gains the batch's loss and a count of one per
     batch. On a replica it gains `replicas x share x value` with weight
@@ -205,28 +206,30 @@ def _mean_update_state(self, values, sample_weight=None):
     (a count per class, `ops.sum(one_hot, axis=0)`; a mean per column) counts
     the same way, entry by entry (`shared_tensor`): each replica added its
     own entries and a count of them, 1/N of one device's mean for the counts
-    (a new-user probe, stop 51). Rows are Keras' own update.
+    (a new-user probe, stop 51). Rows are Keras' own update. In keras-dist's
+    own step, an update while the loss is recorded (an overridden
+    `compute_loss`) gets the global value with the loss's shares
+    (`update_own_trackers`), one after it (an overridden `compute_metrics`)
+    counts as in a user's step.
     """
     original = _ORIGINAL["mean_update_state"]
     step = step_state.current()
     if step is None or sample_weight is not None or type(self).update_state is not _mean_update_state:
         return original(self, values, sample_weight)
-    if not step.user_step:
-        record = _RECORDS.get(step_state.replica_key())
-        if record is not None:
-            _note_own_tracker(record, self, values)
+    if not step.user_step and _noted_in_own_step(self, values):
         return original(self, values, sample_weight)
     values = tf.convert_to_tensor(values)
     num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
     if num_replicas == 1 or values.shape.rank is None or per_example(values, step):
         return original(self, values, sample_weight)  # Rows: each replica adds its own, and counts them.
+    _count_global_examples(step)
     share = shared_value if values.shape.rank == 0 else shared_tensor
     value = share(tf.cast(values, self.dtype), step, self.dtype)
     return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
 
 
 def _sum_update_state(self, values, sample_weight=None):
-    """`keras.metrics.Sum.update_state`; inside a user's step, a value that is not one row per example counts by its share.
+    """`keras.metrics.Sum.update_state`; in a step on several replicas, a value that is not one row per example counts by its share.
 
     On one device a `Sum` gains the global batch's value. Its state is summed
     over the replicas, so each replica adds its share: a scalar term by term
@@ -236,24 +239,54 @@ def _sum_update_state(self, values, sample_weight=None):
     tensor by `shared_tensor`; a tensor with one row per example (each
     replica holds its own rows) as it is. Before, a `Sum` of `compute_loss`'
     value or of the step count read 2x one device's on 2 replicas (a new-user
-    probe, stop 50). With `sample_weight`, Keras' own update (a weighted sum
-    of rows).
+    probe, stop 50). In keras-dist's own step, an update while the loss is
+    recorded (an overridden `compute_loss`) gets the global value with the
+    loss's shares (`update_own_trackers`), one after it (an overridden
+    `compute_metrics`) counts as in a user's step. With `sample_weight`,
+    Keras' own update (a weighted sum of rows).
     """
     original = _ORIGINAL["sum_update_state"]
     step = step_state.current()
-    if (
-        step is None
-        or not step.user_step
-        or sample_weight is not None
-        or type(self).update_state is not _sum_update_state
-    ):
+    if step is None or sample_weight is not None or type(self).update_state is not _sum_update_state:
         return original(self, values, sample_weight)
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return original(self, values, sample_weight)
+    if not step.user_step and _noted_in_own_step(self, values):
+        return original(self, values, sample_weight)
     values = tf.cast(tf.convert_to_tensor(values), self.dtype)
+    if values.shape.rank != 0 and (values.shape.rank is None or per_example(values, step)):
+        return original(self, values, sample_weight)  # Rows: each replica adds its own.
+    _count_global_examples(step)
     share = shared_value if values.shape.rank == 0 else shared_tensor
     return original(self, share(values, step, self.dtype))
+
+
+def _noted_in_own_step(tracker, values):
+    """In keras-dist's own step: notes `tracker`'s update for `update_own_trackers` where the loss is being recorded.
+
+    Returns whether it was left to Keras' own update (to be given the global
+    value there, or not a tracker of the model's own). Outside the loss's
+    recording (an overridden `compute_metrics`, after `apply`) it returns
+    `False`: the update counts by its share as in a user's step (a new-user
+    probe, stop 51: a `Mean` of a batch's MAE there was 1e-2 off on uneven
+    splits, a `Sum` of the loss in `compute_loss` 2x one device's).
+    """
+    record = _RECORDS.get(step_state.replica_key())
+    if record is None:
+        return False
+    _note_own_tracker(record, tracker, values)
+    return True
+
+
+def _count_global_examples(step):
+    """Sets `step.global_examples` where the step has not counted them yet (one small all-reduce)."""
+    if step.global_examples is None:
+        count = tf.reshape(tf.cast(step.num_examples, tf.float32), [1])
+        context = tf.distribute.get_replica_context()
+        step.global_examples = tf.stop_gradient(
+            context.all_reduce(tf.distribute.ReduceOp.SUM, count, options=step.options)
+        )[0]
 
 
 def _note_own_tracker(record, tracker, values):
@@ -278,7 +311,8 @@ def _note_own_tracker(record, tracker, values):
     if tf.distribute.get_replica_context().num_replicas_in_sync == 1:
         return
     terms = [(coefficient, term, _ratio_index(record, term)) for coefficient, term in terms_of(values)]
-    before = (tf.convert_to_tensor(tracker.total.value), tf.convert_to_tensor(tracker.count.value))
+    count = getattr(tracker, "count", None)  # A `Sum` has none.
+    before = (tf.convert_to_tensor(tracker.total.value), None if count is None else tf.convert_to_tensor(count.value))
     record.own_trackers.append(OwnTrackerUpdate(tracker, terms, *before))
 
 
@@ -380,7 +414,7 @@ def _times_share(value, share, dtype):
 
 
 def update_own_trackers(record, example_share, shares, num_replicas):
-    """Gives each `OwnTrackerUpdate` this batch's global value: `total += share-weighted value`, `count += 1 / replicas`.
+    """Gives each `OwnTrackerUpdate` this batch's global value: `total += share-weighted value`, a `Mean`'s `count += 1 / replicas`.
 
     Each term counts by its share (a ratio's of its denominator, every other
     term's of the examples; a value computed from the compiled loss's terms,
@@ -395,7 +429,8 @@ def update_own_trackers(record, example_share, shares, num_replicas):
             [_part_value(record, part, shares, example_share, dtype, through_terms=True) for part in update.terms]
         )
         update.tracker.total.assign(update.total + value)
-        update.tracker.count.assign(update.count + tf.cast(1.0 / num_replicas, update.tracker.count.dtype))
+        if update.count is not None:  # A `Mean`'s count of one batch; a `Sum` has none.
+            update.tracker.count.assign(update.count + tf.cast(1.0 / num_replicas, update.tracker.count.dtype))
 
 
 def terms_of(value):

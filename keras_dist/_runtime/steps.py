@@ -162,7 +162,8 @@ def test_step(model, data, *, options):
     """
     x, y, sample_weight = ki.unpack_x_y_sample_weight(data)
     num_examples = batch_size_of(x)
-    with step_state.running(step_state.ReplicaStep(step_state.SUM, num_examples=num_examples)):
+    leaves = [t for t in tree.flatten(data) if tf.is_tensor(t) and t.shape.rank]  # As in `train_step`.
+    with step_state.running(step_state.ReplicaStep(step_state.SUM, num_examples=num_examples, data_leaves=leaves)):
         with loss_terms.recording(model) as record:
             y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
