@@ -223,6 +223,7 @@ def _mean_update_state(self, values, sample_weight=None):
     if num_replicas == 1 or values.shape.rank is None or per_example(values, step):
         return original(self, values, sample_weight)  # Rows: each replica adds its own, and counts them.
     _count_global_examples(step)
+    values = _global_if_extreme(values, step)
     share = shared_value if values.shape.rank == 0 else shared_tensor
     value = share(tf.cast(values, self.dtype), step, self.dtype)
     return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
@@ -258,8 +259,20 @@ def _sum_update_state(self, values, sample_weight=None):
     if values.shape.rank != 0 and (values.shape.rank is None or per_example(values, step)):
         return original(self, values, sample_weight)  # Rows: each replica adds its own.
     _count_global_examples(step)
+    values = _global_if_extreme(values, step)
     share = shared_value if values.shape.rank == 0 else shared_tensor
     return original(self, share(values, step, self.dtype))
+
+
+def _global_if_extreme(values, step):
+    """`values`, or the global batch's where it is a largest or smallest entry of the batch's values (`global_extreme`).
+
+    A tracker of `ops.max(abs_error)` gained each replica's maximum, by its
+    share: the replicas' maxima averaged, not the batch's (a new-user probe,
+    stop 51: 3.81 against 4.31).
+    """
+    extreme = global_extreme(values, step)
+    return values if extreme is None else tf.cast(extreme, values.dtype)
 
 
 def _noted_in_own_step(tracker, values):
