@@ -41,6 +41,9 @@ def _require_tensorflow_backend(backend):
 
 
 if not _is_keras_dist_command():
+    from keras_dist._tf_config import validate_environment as _validate_tf_config
+
+    _validate_tf_config()  # A malformed TF_CONFIG fails now, before TensorFlow's import (seconds).
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     _require_tensorflow()
 
