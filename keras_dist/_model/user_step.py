@@ -10,7 +10,6 @@ their state summed over the replicas. `custom_step_losses =
 "global"` (TensorFlow's guide: the step scales its own loss) turns this off.
 """
 
-import keras
 import tensorflow as tf
 
 from keras_dist import _compat
@@ -44,7 +43,9 @@ def exact_for_global_batch(model, step, *, marks=None):
             tape_all_reduce=_tape_all_reduce(model),
             metrics=model.metrics if _compat.is_active("cross_replica_metrics") else None,
         ) as state:
-            return _with_global_metric_results(model, step(data), _raw_value_weighting(model, state))
+            return _with_global_metric_results(
+                model, step(data), _raw_value_weighting(model, state), state.global_results
+            )
 
     return run
 
@@ -92,12 +93,12 @@ def _raw_value_weighting(model, state):
     example is left as it is. A largest or smallest entry of the batch's
     values (`ops.max(error)`) becomes the global batch's on every replica
     (`loss_terms.global_extreme`).
-    Not the result of a `keras.metrics.Mean` of the model returned under
-    another name (keras.io's VAE returns `total_loss_tracker.result()` as
-    `"loss"`): the step already counts such a tracker's values by the
-    example share (`user_steps.user_step`), so that Keras' plain mean of
-    the replicas' results is the global batch's (a run-time test: the value
-    equals one of those results on this replica).
+    Not a metric's result returned under another name (keras.io's VAE
+    returns `total_loss_tracker.result()` as `"loss"`): inside the step it
+    reads the state summed over the replicas, so it is the global batch's
+    already (`GlobalResults.is_returned`, read from the traced graph; a
+    run-time comparison with the results misread a raw loss as one where a
+    replica held the whole global batch: a new-user probe, stop 52).
     Returns the identity where Keras does not average (`"sum"`, `"first"`, a TPU).
     """
     method = model.distribute_reduction_method
@@ -119,18 +120,14 @@ def _raw_value_weighting(model, state):
         extreme = loss_terms.global_extreme(value, state)
         if extreme is not None:  # `ops.max(error)`: every replica holds the global batch's.
             return extreme
-        raw = loss_terms.shared_value(value, state, value.dtype) * tf.cast(num_replicas, value.dtype)
-        for metric in model.metrics:
-            if isinstance(metric, keras.metrics.Mean):
-                result = tf.convert_to_tensor(metric.result())
-                if result.shape.rank == 0 and result.dtype == value.dtype:
-                    raw = tf.where(tf.equal(value, result), value, raw)
-        return raw
+        if state.global_results is not None and state.global_results.is_returned(value):
+            return value  # A metric's result, read from the state summed over the replicas: global already.
+        return loss_terms.shared_value(value, state, value.dtype) * tf.cast(num_replicas, value.dtype)
 
     return weighted
 
 
-def _with_global_metric_results(model, logs, weighted):
+def _with_global_metric_results(model, logs, weighted, global_results):
     """`logs` a step of yours returned, each value named after one of `model.metrics` replaced by its global result.
 
     keras.io returns `{m.name: m.result() for m in self.metrics}`. Inside
@@ -144,8 +141,8 @@ def _with_global_metric_results(model, logs, weighted):
     step's value: TensorFlow Recommenders' step returns `{m.name: m.result()
     for m in self.metrics}` and then overwrites `"loss"` (Keras' own loss
     tracker, which such a step never updates) with its raw loss tensor. So
-    a value is replaced only where it equals the metric's result on this
-    replica (a run-time test: the same decision on every replica's trace).
+    a value is kept as a result only where it is what a metric's `result()`
+    returned in the step (`_global_if_a_result`, read from the traced graph).
 
     Every other float scalar (a raw loss tensor) goes through `weighted`
     (`_raw_value_weighting`: counted by this replica's example share).
@@ -162,21 +159,25 @@ def _with_global_metric_results(model, logs, weighted):
         elif isinstance(value, dict):  # A metrics container (`compile_metrics`): one result per metric it holds.
             merged[key] = {name: results.get(name, part) for name, part in value.items()}
         else:
-            merged[key] = _global_if_its_result(value, by_name[key], results[key], weighted)
+            merged[key] = _global_if_a_result(value, results[key], weighted, global_results)
     return merged
 
 
-def _global_if_its_result(value, metric, global_result, weighted):
-    """`global_result` where `value` equals `metric.result()` on this replica, else `weighted(value)` (a tensor, as returned)."""
+def _global_if_a_result(value, global_result, weighted, global_results):
+    """`global_result` where `value` is what a metric's `result()` returned in the step, else `weighted(value)`.
+
+    Decided from the traced graph (`GlobalResults.is_returned`): a run-time
+    comparison with the result took a raw loss for the result on a replica
+    that held the whole global batch (a one-example step: the logs read one
+    device's value divided by the replicas, a new-user probe, stop 52).
+    """
     try:
         value = tf.convert_to_tensor(value)
-        local = tf.convert_to_tensor(metric.result())
     except (TypeError, ValueError):
         return value  # Not a tensor: not a metric's result.
-    if value.dtype != local.dtype or not value.shape.is_compatible_with(local.shape):
-        return weighted(value)
-    same = tf.reduce_all(tf.equal(value, local))
-    return tf.where(same, tf.cast(global_result, value.dtype), weighted(value))
+    if global_results is not None and global_results.is_returned(value):
+        return value  # Read from the state summed over the replicas: `global_result`, or the step's earlier read.
+    return weighted(value)
 
 
 def compute_loss(model, keras_compute_loss, step):

@@ -59,6 +59,31 @@ class GlobalResults:
                     variables[id(v)] = v
         self.variables = list(variables.values())
         self._sums = None  # (graph, state mapping) of the last `summed()`, until a metric variable is written.
+        self._returned = {}  # `id` -> tensor: what a wrapped `result()` returned in this step (global values).
+
+    def note_returned(self, results):
+        """Notes the tensors of `results`, what a metric's `result()` returned from the summed state."""
+        for value in tree.flatten(results):
+            if tf.is_tensor(value):
+                self._returned[id(value)] = value
+
+    def is_returned(self, value):
+        """Whether `value` is a tensor a metric's `result()` returned in this step (through identities and casts).
+
+        Read from the traced graph, so every replica decides alike (a run-time
+        comparison with the results took a replica's raw loss for one where
+        that replica held the whole global batch: a new-user probe, stop 52).
+        """
+        for _ in range(8):
+            if not tf.is_tensor(value):
+                return False
+            if self._returned.get(id(value)) is value:
+                return True
+            op = getattr(value, "op", None)
+            if op is None or op.type not in ("Identity", "Cast") or not op.inputs:
+                return False
+            value = op.inputs[0]
+        return False
 
     def written(self, variable):
         """Forgets the sums when `variable` (a `keras.Variable` being assigned) is one of the summed state."""
@@ -126,7 +151,9 @@ def _global_result(original):
             with keras.StatelessScope(state_mapping=mapping):
                 # Read inside the scope: a result that is a variable (a running maximum) would be read later as
                 # this replica's own state.
-                return tree.map_structure(read_if_variable, original(self, *args, **kwargs))
+                returned = tree.map_structure(read_if_variable, original(self, *args, **kwargs))
+            results.note_returned(returned)
+            return returned
         finally:
             _INSIDE.active = False
 

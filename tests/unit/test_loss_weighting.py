@@ -992,6 +992,33 @@ def test_user_step_sum_metrics_count_as_one_device(request, strategy):
     _train_both(strategy, _dense_with_step(_SumMetricsStep, loss="mse"), x, y, batch_size=8, evaluate=False)
 
 
+class _RawAndTrackedLossStep:
+    """A step returning its raw loss beside a tracker's result (a new-user probe, stop 52), one under the tracker's name."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(y - self(x, training=True)))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        self.loss_tracker.update_state(loss)
+        return {"loss": loss, "tracked": self.loss_tracker.result(), "raw_mse": loss}
+
+
+def test_raw_loss_beside_a_tracker_on_a_one_example_step(both_replica_counts):
+    """One example a step, on replica 0 alone: a raw loss equal to the tracker's result there (it holds the whole
+    global batch) was taken for the result on that replica only, and logged divided by the replicas (4.19 vs 8.38)."""
+    x, y = _regression(1, seed=17)
+    _train_both(both_replica_counts, _dense_with_step(_RawAndTrackedLossStep), x, y, batch_size=8, evaluate=False)
+
+
 class _HandWrittenMeanStep:
     """A mean written by hand, `ops.sum(...) / ops.shape(x)[0]`, and trackers of the row count (a new-user probe, stop 51)."""
 
