@@ -159,12 +159,12 @@ def _with_global_metric_results(model, logs, weighted, global_results):
         elif isinstance(value, dict):  # A metrics container (`compile_metrics`): one result per metric it holds.
             merged[key] = {name: results.get(name, part) for name, part in value.items()}
         else:
-            merged[key] = _global_if_a_result(value, results[key], weighted, global_results)
+            merged[key] = _global_if_a_result(value, weighted, global_results)
     return merged
 
 
-def _global_if_a_result(value, global_result, weighted, global_results):
-    """`global_result` where `value` is what a metric's `result()` returned in the step, else `weighted(value)`.
+def _global_if_a_result(value, weighted, global_results):
+    """`value` where it is what a metric's `result()` returned in the step (the global result already), else `weighted(value)`.
 
     Decided from the traced graph (`GlobalResults.is_returned`): a run-time
     comparison with the result took a raw loss for the result on a replica
@@ -176,7 +176,7 @@ def _global_if_a_result(value, global_result, weighted, global_results):
     except (TypeError, ValueError):
         return value  # Not a tensor: not a metric's result.
     if global_results is not None and global_results.is_returned(value):
-        return value  # Read from the state summed over the replicas: `global_result`, or the step's earlier read.
+        return value  # Read from the state summed over the replicas (at the step's end, or earlier in it).
     return weighted(value)
 
 
