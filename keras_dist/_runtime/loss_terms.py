@@ -192,7 +192,7 @@ def _unscale_loss_for_distribution(value):
 
 
 def _mean_update_state(self, values, sample_weight=None):
-    """`keras.metrics.Mean.update_state`; in a step on several replicas, a scalar without weight counts by its share.
+    """`keras.metrics.Mean.update_state`; in a step on several replicas, a scalar (one weight or none) counts by its share.
 
     On one device a loss tracker gains the batch's loss and a count of one per
     batch. On a replica it gains `replicas x share x value` with weight
@@ -214,8 +214,11 @@ def _mean_update_state(self, values, sample_weight=None):
     """
     original = _ORIGINAL["mean_update_state"]
     step = step_state.current()
-    if step is None or sample_weight is not None or type(self).update_state is not _mean_update_state:
+    if step is None or type(self).update_state is not _mean_update_state:
         return original(self, values, sample_weight)
+    weight = _one_weight(sample_weight, self.dtype, step)
+    if sample_weight is not None and (weight is None or not step.user_step):
+        return original(self, values, sample_weight)  # Weights per example: Keras' own update of the rows.
     if not step.user_step and _noted_in_own_step(self, values):
         return original(self, values, sample_weight)
     values = tf.convert_to_tensor(values)
@@ -226,7 +229,35 @@ def _mean_update_state(self, values, sample_weight=None):
     values = _global_if_extreme(values, step)
     share = shared_value if values.shape.rank == 0 else shared_tensor
     value = share(tf.cast(values, self.dtype), step, self.dtype)
-    return original(self, value * num_replicas, sample_weight=tf.constant(1.0 / num_replicas, self.dtype))
+    weight = tf.constant(1.0, self.dtype) if weight is None else weight
+    return original(self, value * num_replicas, sample_weight=weight / num_replicas)
+
+
+def _one_weight(sample_weight, dtype, step):
+    """`sample_weight` as a `dtype` scalar where it is one number for the whole global batch, else `None`.
+
+    A Python number (`sample_weight=1.0`), or a scalar tensor computed from
+    none of the batch's tensors (a constant, the step count), which every
+    replica holds alike. One device's `Mean` gains `weight x value` and a
+    count of `weight`; a replica then gains its share of that, as without a
+    weight (a new-user probe, stop 51: `update_state(loss, sample_weight=1.0)`
+    in a step of one's own logged the replicas' values averaged, 6.48 vs
+    6.53). Not a scalar computed from the batch, such as the row count Keras'
+    own `train_step` weights its loss tracker by: that is each replica's own.
+    """
+    if sample_weight is None or isinstance(sample_weight, bool):
+        return None
+    if isinstance(sample_weight, (int, float)):
+        return tf.constant(float(sample_weight), dtype)
+    if not tf.is_tensor(sample_weight) or sample_weight.shape.rank != 0:
+        return None
+    if tf.get_static_value(sample_weight) is not None:
+        return tf.cast(sample_weight, dtype)
+    indices = {t.name: i for i, t in enumerate(step.data_leaves) if isinstance(t, tf.Tensor)}
+    if not indices or not hasattr(sample_weight, "op"):
+        return None
+    found, complete = _leaves_above(sample_weight, indices, set())
+    return tf.cast(sample_weight, dtype) if complete and not found else None
 
 
 def _sum_update_state(self, values, sample_weight=None):

@@ -950,6 +950,7 @@ class _SumMetricsStep:
         self.mean_column_means = keras.metrics.Mean(name="mean_of_column_means")
         self.mean_class_counts = keras.metrics.Mean(name="mean_of_class_counts")
         self.largest_errors = keras.metrics.Mean(name="mean_of_largest_errors")
+        self.weighted_losses = keras.metrics.Mean(name="mean_of_weighted_losses")
 
     @property
     def metrics(self):
@@ -962,6 +963,7 @@ class _SumMetricsStep:
             self.mean_column_means,
             self.mean_class_counts,
             self.largest_errors,
+            self.weighted_losses,
         ]
 
     def train_step(self, data):
@@ -980,6 +982,11 @@ class _SumMetricsStep:
         self.mean_class_counts.update_state(ops.sum(ops.one_hot(ops.cast(y[:, 0] > 0, "int32"), 2), axis=0))
         # The batch's largest error (stop 51: the replicas' maxima averaged, 3.81 vs 4.31).
         self.largest_errors.update_state(ops.max(ops.abs(y - y_pred)))
+        # One weight for the whole batch, a number growing with the step (stop 51: the replicas' values averaged).
+        self.weighted_losses.update_state(loss, sample_weight=1.0)
+        self.weighted_losses.update_state(loss * 2.0, sample_weight=ops.cast(self.optimizer.iterations, "float32"))
+        # Weighted by the replica's own rows, as Keras' own train_step weights its loss tracker: Keras' update.
+        self.weighted_losses.update_state(loss, sample_weight=ops.cast(ops.shape(x)[0], "float32"))
         return {m.name: m.result() for m in self.metrics}
 
 
