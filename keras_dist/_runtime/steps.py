@@ -115,7 +115,8 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
 
 _XLA_NOT_BY_EXAMPLES = (
     "compile(jit_compile=True) on several replicas: a loss term of this model is not a mean over the batch's "
-    "examples (a mask, a loss with reduction 'sum' or 'mean_with_sample_weight', or a ratio your "
+    "examples (a mask, a loss with reduction 'sum' or 'mean_with_sample_weight', a loss function returning one "
+    "number with sample weights, or a ratio your "
     "`compute_loss` computes). Each replica's part of such a loss divides by the "
     "global batch's divisor, which XLA on one replica cannot reach before the backward pass; so keras-dist "
     "runs this train step without XLA, with one device's numbers. Expected: loss terms that are means over "
@@ -537,9 +538,11 @@ def compiled_forward_backward(model):
 
             def forward(x, y, sample_weight):
                 with _StateCollectingScope(_regularized_values(model)), loss_terms.recording(model) as record:
+                    record.inspecting = True
                     _, loss = _training_forward(model, x, y, sample_weight)
                     loss_terms.own_ratios(record, loss)
-                found[key] = all(term.weighted_by_examples for term in record.terms)
+                # A loss function's scalar times its weights' factor needs the global batch's factor.
+                found[key] = all(term.weighted_by_examples and not term.global_weights for term in record.terms)
                 return tf.constant(0)
 
             tf.function(forward).get_concrete_function(x, y, sample_weight)
