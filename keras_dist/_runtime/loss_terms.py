@@ -1255,7 +1255,7 @@ def global_weight_factor(sample_weight, reduction, options=None):
     of its own weights; one device's is of the global batch's, and the
     product of two means is no weighted sum of the replicas' products (a
     compiled `ops.mean(...)` loss function with `fit(sample_weight=...)` or
-    `class_weight`: 2.3e-2 off in the weights on 3 replicas). One small
+    `class_weight`: 3.2e-2 off in the kernel on 3 replicas). One small
     all-reduce of the weights' sum and count (or sum), in the forward pass.
 
     Args:
