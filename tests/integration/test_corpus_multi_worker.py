@@ -30,7 +30,8 @@ ENV = clean_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_DIST_QUIET="1")
 # dual encoder (last batch 2/1), in-batch softmax retrieval,
 # batch-hard triplets on uneven parts with global_batch_offset; a PyDataset of array slices; keras.io's
 # callbacks guide with float() of the learning rate; a perplexity computed from a tracker's result; a step of
-# one's own clipping each micro-batch's gradient under Keras' gradient accumulation.
+# one's own clipping each micro-batch's gradient under Keras' gradient accumulation; loss functions returning
+# one number with per-output sample weights (the weights' global batch mean, one all-reduce in the forward pass).
 PROGRAMS = [
     "c01_mnist_convnet",
     "c12_normalization_adapt",
@@ -55,6 +56,7 @@ PROGRAMS = [
     "c39_perplexity_from_tracker",
     "c40_step_adding_layer_losses",
     "c41_accumulated_clipped_train_step",
+    "c42_focal_loss_class_weight",
 ]
 KNOWN_FAILURES = {}
 
