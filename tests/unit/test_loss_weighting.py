@@ -1098,8 +1098,8 @@ class _ScalarMseLoss(keras.losses.Loss):
 )
 def test_scalar_loss_function_with_sample_weights(mirrored_1x3_cpu, variant):
     """Was a strict xfail: Keras multiplies a loss function's one number by a factor of the weights (their batch
-    mean, their sum, or 1), each replica's of its own weights (3.2e-2 off in the kernel on 3 replicas, 0.29 with "sum"). 10 examples
-    in batches of 4 on 3 replicas: the last batch's 2 leave a replica without examples.
+    mean, their sum, or 1), each replica's of its own weights (3.2e-2 off in the kernel on 3 replicas, 0.29 with
+    "sum"). 10 examples in batches of 4 on 3 replicas: each batch leaves a replica without examples (2/2/0, 1/1/0).
     """
     x, y = _regression(10)
     weights = np.linspace(0.5, 2.0, 10).astype("float32")
@@ -1124,7 +1124,7 @@ def test_scalar_loss_function_with_sample_weights(mirrored_1x3_cpu, variant):
             cls = _classes(_WeightedStep)[cls is not keras.Model]
         inputs = keras.Input((3,))
         units, activation = (3, "softmax") if variant == "class_weight" else (1, None)
-        model = cls(inputs, keras.layers.Dense(units, activation=activation)(inputs), name="model", **kwargs)
+        model = cls(inputs, keras.layers.Dense(units, activation=activation)(inputs), **kwargs)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, **compile_kwargs)
         return model
 

@@ -1,4 +1,4 @@
-"""Imbalanced classification with a hand-written focal loss and `class_weight`.
+"""Imbalanced classification with a hand-written focal loss and class weights as sample weights.
 
 Follows keras.io/examples/structured_data/imbalanced_classification (weights from the class
 counts, Precision/Recall, Adam(1e-2)) with the binary focal loss as public scripts write it, a
