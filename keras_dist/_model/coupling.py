@@ -75,6 +75,14 @@ def message(coupled, num_replicas):
             "which each replica computes over its own examples only (as PyTorch DDP and tf.keras do), so training "
             f"differs from one device's. Fix: {fix(coupled)} (docs/global_batch_losses.md)."
         )
+    if coupled.eager:
+        return (
+            f"The compiled loss {coupled.name!r} is a sum, or a ratio of sums, over the batch "
+            "(`ops.sum(...)`, `sum(loss * mask) / sum(mask)`): keras-dist reads that from the traced graph of the "
+            "step, and under `run_eagerly=True` there is none, so each of the "
+            f"{num_replicas} replicas' values counts as a mean over its examples and training differs from one "
+            f"device's (on the first global batch by {difference} relative). Fix: {fix(coupled)}."
+        )
     if coupled.by_definition:
         seen = (
             f"The compiled {coupled.kind} {coupled.name!r} couples the examples of a batch: Keras computes it over "
@@ -101,6 +109,8 @@ def message(coupled, num_replicas):
 def fix(coupled):
     """The line to write instead, e.g. "compile(loss=keras_dist.global_batch(in_batch_softmax))"."""
     wrapped = coupled.wrapped
+    if coupled.eager:
+        return "compile without `run_eagerly=True` (the default traces the step, where keras-dist reads the loss)"
     if coupled.kind == "added loss":
         return (
             "compute the batch statistics in that layer's `call` with `keras_dist.ops.batch_mean(values)` instead of "

@@ -43,7 +43,7 @@ import tensorflow as tf
 from keras import ops, tree
 
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import loss_terms
+from keras_dist._runtime import loss_terms, step_state
 
 RTOL = 1e-4
 MAX_EXAMPLES = 64  # The check's forward pass sees at most this many examples (one device holds them).
@@ -131,6 +131,9 @@ class Coupled:
             whole batch's: one number that is a sum over the batch.
         source: For an added loss, `(layer, position)`: the layer and the
             index of the value among those it adds in one call.
+        eager: True for a compiled loss that is a sum or a ratio of sums
+            over the batch, read from its traced graph, which the step cannot
+            read under `run_eagerly=True` (it counts the value as a mean).
     """
 
     kind: str
@@ -140,6 +143,7 @@ class Coupled:
     by_definition: bool = False
     summed: bool = False
     source: object = None
+    eager: bool = False
 
 
 @contextlib.contextmanager
@@ -236,11 +240,15 @@ def find_coupled(model, batch, num_parts):
         if pair is None or getattr(type(loss), ON_GLOBAL_BATCH, False):
             continue
         divisors = lambda t, p, _loss=loss: _ratio_terms_of(_loss, t, p)  # noqa: E731
-        difference = _difference(lambda t, p, _loss=loss: _loss_values(_loss, t, p), *pair, sizes, divisors)
+        values = lambda t, p, _loss=loss: _loss_values(_loss, t, p)  # noqa: E731
+        difference = _difference(values, *pair, sizes, divisors)
+        # Eagerly the step has no graph to read sums and ratios from: it counts the value by the examples.
+        eager = difference is None and getattr(model, "run_eagerly", False)
+        difference = _difference(values, *pair, sizes) if eager else difference
         if _couples_by_definition(loss):
             found.append(Coupled("loss", loss.name, _unwrapped(loss), difference or 0.0, by_definition=True))
         elif difference is not None:
-            found.append(Coupled("loss", loss.name, _unwrapped(loss), difference))
+            found.append(Coupled("loss", loss.name, _unwrapped(loss), difference, eager=eager))
     found.extend(_coupled_metrics(model, y, y_pred, sample_weight, sizes))
     return found
 
@@ -440,14 +448,16 @@ def _parts(value, sizes):
 
 
 def _ratio_terms_of(loss, y_true, y_pred):
-    """The parts of `loss`'s value on a part of the batch, where it holds ratios of sums; else `None`.
+    """The parts of `loss`'s value on a part of the batch, where it holds ratios of sums or is a sum; else `None`.
 
     A list of `(coefficient, value, divisor, weight, ratio)`, one per term of
     the value (`loss_terms.terms_of`: the value itself, or the terms of a sum
     of ratios): `ratio` is the traced `loss_terms.Ratio` (`None` for a term
-    that is not one), `value` the term's (a ratio's without NaN), `divisor`
-    and `weight` floats (`Ratio.divisor`, `Ratio.weight`). Traced once per
-    part (the ratios are read from the graph), on the host.
+    that is not one; `SUMMED` for a value that is a sum over the examples,
+    `loss_terms.summed_terms`, which the step counts once per replica),
+    `value` the term's (a ratio's without NaN), `divisor` and `weight` floats
+    (`Ratio.divisor`, `Ratio.weight`). Traced once per part (the ratios and
+    sums are read from the graph), on the host.
     """
     found = []
 
@@ -456,7 +466,11 @@ def _ratio_terms_of(loss, y_true, y_pred):
         if not tf.is_tensor(value) or value.shape.rank != 0:
             return tf.zeros([0, 4])
         rows = []
-        for coefficient, term in loss_terms.terms_of(value):
+        terms = loss_terms.terms_of(value)
+        if len(terms) == 1 and loss_terms.ratio_of(value) is None and _summed(value, t, p):
+            found.append((1.0, SUMMED))
+            return tf.stack([tf.stack([tf.cast(value, tf.float32), tf.constant(-1.0), tf.constant(-1.0)])])
+        for coefficient, term in terms:
             ratio = loss_terms.ratio_of(term)
             found.append((coefficient, ratio))
             if ratio is None:
@@ -484,14 +498,35 @@ def _ratio_terms_of(loss, y_true, y_pred):
     return [(c, float(r[0]), float(r[1]), float(r[2]), ratio) for (c, ratio), r in zip(found, rows)]
 
 
+SUMMED = "summed"  # `_ratio_terms_of`: a value that is a sum over the examples (each part counts once).
+
+
+def _summed(value, y_true, y_pred):
+    """Whether scalar `value`, traced from `y_true` and `y_pred`, is a sum over their rows, as the step reads it.
+
+    `loss_terms.summed_terms` with the traced inputs as the batch's tensors.
+    """
+    leaves = [v for v in tree.flatten([y_true, y_pred]) if tf.is_tensor(v) and v.shape.rank]
+    if not leaves:
+        return False
+    rows = leaves[0].shape[0]
+    step = step_state.ReplicaStep(
+        step_state.SUM, num_examples=tf.constant(rows) if rows is not None else None, data_leaves=leaves
+    )
+    return loss_terms.summed_terms(value, step) is not None
+
+
 def _combined(per_part, counts):
-    """The parts' scalar values combined as the step weights them: each ratio by its denominator's share, the rest by examples.
+    """The parts' scalar values combined as the step weights them: each ratio by its denominator's share, a sum over the examples as a sum, the rest by examples.
 
     `per_part`: `_ratio_terms_of` of each part (the same terms on each);
     `counts`: their examples. `None` where a ratio's global denominator is 0.
     """
     combined = 0.0
     for k, (coefficient, _, _, _, ratio) in enumerate(per_part[0]):
+        if ratio is SUMMED:
+            combined += coefficient * sum(part[k][1] for part in per_part)
+            continue
         if ratio is None:
             combined += coefficient * sum(n * part[k][1] for n, part in zip(counts, per_part)) / sum(counts)
             continue

@@ -102,6 +102,11 @@ class LossTerm:
         global_weights: Boolean: a loss function's scalar times a factor of
             its sample weights (`global_weight_factor`), the global batch's
             factor where the step ran (not in a trace that only inspects).
+        own_rows: `None`, or (a `SUM` of a loss function's scalar summed
+            over the batch, `summed_terms`) a bool scalar tensor, at run
+            time: the rows it sums are this replica's examples; else (a
+            gathered global batch, the same on every replica) it counts by
+            the example share.
     """
 
     value: object
@@ -111,6 +116,7 @@ class LossTerm:
     ratio: object = None
     parts: object = None
     global_weights: bool = False
+    own_rows: object = None
 
     @property
     def weighted_by_examples(self):
@@ -539,6 +545,32 @@ def summed_examples(term, step):
         if reduction[0] == "Mean" or not per_example(reduction[1], step):
             summed = _summed_over_batch_axis(reduction[1])
     return summed if summed is not None and _from_the_batch(summed, step) else None
+
+
+def summed_terms(value, step):
+    """The tensors scalar `value` sums the rows of, where each of its terms is a sum over the examples; else `None`.
+
+    A compiled loss function returning `ops.sum(squared_errors)`, or
+    TensorFlow's `tf.reduce_sum(loss) / GLOBAL_BATCH_SIZE`: read as a sum of
+    terms (`linear_terms`: `+`, `-`, products and quotients by constants),
+    each a sum over the examples (`summed_examples`). One device's value is
+    the global batch's, so each replica's counts once (it was counted by the
+    example share, and the first-batch check warned: 0.18 off in the weights
+    on 3 replicas). `None` where a term is anything else (a mean, a
+    constant), eagerly, or where `value` is no scalar tensor.
+
+    Args:
+        value: A scalar tensor (the loss function's value), or anything else.
+        step: The `step_state.ReplicaStep` running (its `data_leaves`).
+
+    Returns:
+        A list of the summed tensors (each with one row per example), or `None`.
+    """
+    terms = linear_terms(value)
+    if not terms:
+        return None
+    summed = [summed_examples(term, step) for _, term in terms]
+    return summed if all(t is not None for t in summed) else None
 
 
 def _from_the_batch(tensor, step):
@@ -1324,6 +1356,10 @@ def _term(result, values, sample_weight, mask, reduction, dtype):
         ratio = ratio_of(values)
         if ratio is not None:  # `sum(loss * mask) / sum(mask)`: counted by its own divisor, as a Keras mask.
             return LossTerm(result, DIVISOR, ratio.divisor, proportional=False, ratio=ratio)
+        step = step_state.current()
+        summed = summed_terms(values, step) if step is not None else None
+        if summed is not None:  # `ops.sum(...)` over the batch (or divided by a constant): each replica's counts once.
+            return LossTerm(result, SUM, own_rows=tf.reduce_all([_this_replicas_rows(t, step) for t in summed]))
         return LossTerm(result, EXAMPLES)  # A loss function that reduced its own values (keras.io: ops.mean).
     if reduction == "sum":
         return LossTerm(result, SUM)
@@ -1821,7 +1857,8 @@ def term_shares(record, example_share, summed_divisors):
         if term.weighted_by_examples:
             shares.append(example_share)
         elif term.kind == SUM:
-            shares.append(tf.constant(1.0))
+            own = term.own_rows
+            shares.append(tf.constant(1.0) if own is None else tf.where(own, tf.constant(1.0), example_share))
         else:
             total = summed_divisors[i]
             shares.append(

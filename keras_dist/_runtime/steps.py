@@ -10,6 +10,7 @@ to them: `user_steps` (a `train_step` the user wrote), `trainer_functions`
 """
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -537,7 +538,15 @@ def compiled_forward_backward(model):
             compiled.get_concrete_function(x, y, sample_weight, tf.constant(1.0))  # Its refusals first.
 
             def forward(x, y, sample_weight):
-                with _StateCollectingScope(_regularized_values(model)), loss_terms.recording(model) as record:
+                # This graph's batch: a loss summing over its rows is read from it (`loss_terms.summed_terms`).
+                outer = step_state.current()
+                leaves = [t for t in tree.flatten((x, y, sample_weight)) if tf.is_tensor(t) and t.shape.rank]
+                inner = dataclasses.replace(outer, data_leaves=leaves) if outer is not None else None
+                with (
+                    step_state.running(inner) if inner is not None else contextlib.nullcontext(),
+                    _StateCollectingScope(_regularized_values(model)),
+                    loss_terms.recording(model) as record,
+                ):
                     record.inspecting = True
                     _, loss = _training_forward(model, x, y, sample_weight)
                     loss_terms.own_ratios(record, loss)

@@ -57,6 +57,7 @@ PROGRAMS = [
     "c40_step_adding_layer_losses",
     "c41_accumulated_clipped_train_step",
     "c42_focal_loss_class_weight",
+    "c43_losses_summed_over_the_batch",
 ]
 KNOWN_FAILURES = {}
 

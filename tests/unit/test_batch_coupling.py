@@ -19,6 +19,7 @@ from keras import ops
 
 import keras_dist
 from keras_dist import errors
+from keras_dist._model import coupling
 from keras_dist._runtime import batch_coupling
 
 RS = np.random.RandomState(0)
@@ -335,6 +336,33 @@ def test_a_ratio_of_the_kept_entries_sum_is_read_as_the_step_reads_it(mirrored_1
     with batch_coupling.suppressed():  # Builds the compiled loss; no check.
         model.evaluate(tokens, targets, batch_size=8, verbose=0)
     assert batch_coupling.find_coupled(model, (tokens, targets, None), 2) == []
+
+
+@pytest.mark.parametrize("form", ["sum", "ratio"])
+def test_a_sum_or_a_ratio_over_the_batch_is_named_only_under_run_eagerly(mirrored_1x2_cpu, form):
+    """A compiled loss function returning `ops.sum(...)` over the batch was named as coupling it; the step now counts
+    each replica's sum once (stop 54), as it counts a ratio of sums by its denominator. Under `run_eagerly=True` the
+    step has no graph to read either from and counts the value as a mean: named then, with that fix, not the gather."""
+
+    def summed(y_true, y_pred):
+        return ops.sum(ops.square(y_true - y_pred))
+
+    def ratio(y_true, y_pred):
+        mask = ops.cast(y_true > 0.5, "float32")
+        return ops.sum(ops.square(y_true - y_pred) * mask) / ops.sum(mask)
+
+    found = {}
+    for eager in (False, True):
+        inputs = keras.Input((4,))
+        model = keras_dist.DistributedModel(inputs, keras.layers.Dense(3)(inputs), strategy=mirrored_1x2_cpu)
+        model.compile(optimizer="sgd", loss=summed if form == "sum" else ratio, run_eagerly=eager)
+        with batch_coupling.suppressed():  # Builds the compiled loss; no check.
+            model.evaluate(X, POSITIVE, batch_size=12, verbose=0)
+        found[eager] = batch_coupling.find_coupled(model, (X, POSITIVE, None), 2)
+    assert found[False] == []
+    assert [(c.kind, c.eager) for c in found[True]] == [("loss", True)]
+    message = coupling.message(found[True][0], 2)
+    assert "run_eagerly=True" in message and "global_batch" not in message
 
 
 def test_the_checks_forward_passes_warn_nothing(mirrored_1x2_cpu):

@@ -9,6 +9,7 @@ models, where oneDNN's reordering stays far below the tolerance.
 """
 
 import contextlib
+import warnings
 
 import keras
 import numpy as np
@@ -1138,6 +1139,72 @@ def test_scalar_loss_function_with_sample_weights(mirrored_1x3_cpu, variant):
         assert_matches_single_device(
             build, strategy=mirrored_1x3_cpu, train=train, atol=1e-5, rtol=0.0, logs_atol=1e-7, logs_rtol=RTOL
         )
+
+
+def _scalar_sse(y_true, y_pred):  # A loss function summing over the batch: one device's is the global batch's sum.
+    return ops.sum(ops.square(y_true - y_pred))
+
+
+def _scalar_sse_over_global_batch(y_true, y_pred):  # TensorFlow's guides: `reduce_sum(loss) / GLOBAL_BATCH_SIZE`.
+    return tf.reduce_sum(ops.mean(ops.square(y_true - y_pred), axis=-1)) / 4.0
+
+
+class _ScalarSseLoss(keras.losses.Loss):
+    """A `Loss` subclass whose `call` returns one number summed over the batch."""
+
+    def call(self, y_true, y_pred):
+        return _scalar_sse(y_true, y_pred)
+
+
+@pytest.mark.parametrize(
+    "variant", ["sum", "over_global_batch", "sample_weight", "reduction_sum", "jit_compile", "own_step", "gathered"]
+)
+def test_scalar_loss_function_summing_over_the_batch(mirrored_1x3_cpu, variant):
+    """Was warned and counted as a mean: a compiled loss function returning `ops.sum(...)` over the batch (or
+    `reduce_sum(...) / GLOBAL_BATCH_SIZE`, TensorFlow's custom training guide) is one device's global batch's sum,
+    so each replica's sum counts once, not by its share of the examples (weights 0.18 off on 3 replicas). 10
+    examples in batches of 4 on 3 replicas: parts 2/1/1 and 1/1/0 (a replica without examples). "gathered": a
+    sum over `keras_dist.ops.all_gather`'s global batch is the same on every replica, counted by examples.
+    """
+    x, y = _regression(10)
+    weights = np.linspace(0.5, 2.0, 10).astype("float32")
+    loss, compile_kwargs, fit_kwargs = _scalar_sse, {}, {}
+    if variant == "over_global_batch":
+        loss = _scalar_sse_over_global_batch
+    elif variant in ("sample_weight", "own_step"):
+        fit_kwargs = {"sample_weight": weights}
+    elif variant == "reduction_sum":
+        loss = _ScalarSseLoss(reduction="sum")
+    elif variant == "jit_compile":
+        compile_kwargs = {"jit_compile": True}
+    elif variant == "gathered":
+
+        def loss(y_true, y_pred):
+            return ops.sum(ops.square(keras_dist.ops.all_gather(y_true - y_pred)))
+
+    def build(cls, **kwargs):
+        if variant == "own_step":
+            cls = _classes(_WeightedStep)[cls is not keras.Model]
+        inputs = keras.Input((3,))
+        model = cls(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.02), loss=loss, **compile_kwargs)
+        return model
+
+    def train(model):
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, **fit_kwargs).history
+        evaluated = model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)
+        return {"history": history, "evaluate": evaluated}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_matches_single_device(
+            build, strategy=mirrored_1x3_cpu, train=train, atol=1e-5, rtol=0.0, logs_atol=1e-6, logs_rtol=RTOL
+        )
+    # The first-batch check no longer warns; XLA per replica cannot sum without a collective: the exact step.
+    expected = ["runs this train step without XLA"] if variant == "jit_compile" else []
+    found = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert [e for e in expected if not any(e in f for f in found)] == []
+    assert [f for f in found if not any(e in f for e in expected)] == []
 
 
 def test_masked_loss_under_jit_compile(mirrored_1x2_cpu):
