@@ -466,14 +466,16 @@ def _ratio_terms_of(loss, y_true, y_pred):
         if not tf.is_tensor(value) or value.shape.rank != 0:
             return tf.zeros([0, 4])
         rows = []
+        # As the step splits it (`loss_terms.split_ratios`): each ratio, each sum over the examples, the rest.
         terms = loss_terms.terms_of(value)
-        if len(terms) == 1 and loss_terms.ratio_of(value) is None and _summed(value, t, p):
-            found.append((1.0, SUMMED))
-            return tf.stack([tf.stack([tf.cast(value, tf.float32), tf.constant(-1.0), tf.constant(-1.0)])])
+        if len(terms) == 1 and loss_terms.ratio_of(value) is None:
+            terms = loss_terms.linear_terms(value) or terms
         for coefficient, term in terms:
             ratio = loss_terms.ratio_of(term)
+            if ratio is None and _summed(term, t, p):
+                ratio = SUMMED
             found.append((coefficient, ratio))
-            if ratio is None:
+            if ratio is None or ratio is SUMMED:
                 rows.append([tf.cast(term, tf.float32), tf.constant(-1.0), tf.constant(-1.0)])
             else:
                 safe = tf.cast(loss_terms.ratio_without_nan(term), tf.float32)

@@ -96,9 +96,10 @@ class LossTerm:
         ratio: `None`, or the `Ratio` a loss function's own scalar is
             written as (for `DIVISOR`): its share is `ratio.share`.
         parts: `None`, or, for a loss function's scalar that adds ratios of
-            sums (`split_ratios`), its `(coefficient, term, index)` parts:
-            each ratio is a `DIVISOR` term of its own (`index`), and this
-            term counts the rest by examples.
+            sums or sums over the batch to others (`split_ratios`), its
+            `(coefficient, term, index)` parts: each ratio is a `DIVISOR`
+            term of its own (`index`), each sum a `SUM` term, and this term
+            counts the rest by examples.
         global_weights: Boolean: a loss function's scalar times a factor of
             its sample weights (`global_weight_factor`), the global batch's
             factor where the step ran (not in a trace that only inspects).
@@ -107,6 +108,8 @@ class LossTerm:
             time: the rows it sums are this replica's examples; else (a
             gathered global batch, the same on every replica) it counts by
             the example share.
+        weight_factor: `None`, or (`global_weights` where the step ran) the
+            float32 scalar the term's `parts` were multiplied by.
     """
 
     value: object
@@ -117,6 +120,7 @@ class LossTerm:
     parts: object = None
     global_weights: bool = False
     own_rows: object = None
+    weight_factor: object = None
 
     @property
     def weighted_by_examples(self):
@@ -158,7 +162,8 @@ class LossRecord:
     trackers: list = dataclasses.field(default_factory=list)
     tape: object = None
     own_trackers: list = dataclasses.field(default_factory=list)
-    ratio_terms: dict = dataclasses.field(default_factory=dict)  # A ratio's tensor name -> its index in `terms`.
+    # A ratio's tensor name (a sum's `("sum", name)`, `_sum_index`) -> its index in `terms`.
+    ratio_terms: dict = dataclasses.field(default_factory=dict)
     inspecting: bool = False  # A trace that is never run (`steps.compiled_forward_backward`): no collective in it.
 
     def all_weighted_by_examples(self):
@@ -390,6 +395,33 @@ def _ratio_index(record, tensor):
     return record.ratio_terms[name]
 
 
+def _split_index(record, tensor):
+    """`_ratio_index(record, tensor)`, else `_sum_index(record, tensor)`: the index of its recorded term, or `None`."""
+    index = _ratio_index(record, tensor)
+    return index if index is not None else _sum_index(record, tensor)
+
+
+def _sum_index(record, tensor):
+    """The index in `record.terms` of `tensor`'s `SUM` term when it is a sum over the examples (`summed_examples`), added once; else `None`.
+
+    The term's value is a copy of `tensor` watched by the record's tape, counted
+    once per replica where it sums this replica's rows (a gathered global batch
+    by the example share, `LossTerm.own_rows`).
+    """
+    step = step_state.current()
+    summed = summed_examples(tensor, step) if step is not None else None
+    if summed is None:
+        return None
+    key = ("sum", tensor.name)
+    if key not in record.ratio_terms:
+        value = tf.identity(tensor)
+        if record.tape is not None:
+            record.tape.watch(value)
+        record.terms.append(LossTerm(value, SUM, own_rows=_this_replicas_rows(summed, step)))
+        record.ratio_terms[key] = len(record.terms) - 1
+    return record.ratio_terms[key]
+
+
 def own_ratios(record, total):
     """`total`, the loss a `compute_loss` of the model's own returned, with its ratios of sums recorded as terms.
 
@@ -555,7 +587,7 @@ def summed_terms(value, step):
     terms (`linear_terms`: `+`, `-`, products and quotients by constants),
     each a sum over the examples (`summed_examples`). One device's value is
     the global batch's, so each replica's counts once (it was counted by the
-    example share, and the first-batch check warned: 0.18 off in the weights
+    example share, and the first-batch check warned: 0.15 off in the kernel
     on 3 replicas). `None` where a term is anything else (a mean, a
     constant), eagerly, or where `value` is no scalar tensor.
 
@@ -1243,14 +1275,17 @@ def _recording_reduce_weighted_values(
         # function returns is reduced, and recorded, by the outer loss (it was counted twice).
         return _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
     scalar = tf.is_tensor(values) and values.shape.rank == 0
-    split = split_ratios(record, values) if scalar and sample_weight is None and mask is None else None
-    safe = split[0] if split is not None else ratio_without_nan(values) if scalar else values
     weighted_scalar = (
         scalar
         and sample_weight is not None
         and mask is None
         and keras_loss.standardize_reduction(reduction) not in (None, "none")
     )
+    # Split where the replicas' parts add up: unweighted, or times the global batch's weight factor (below).
+    splits = scalar and mask is None and (sample_weight is None or (weighted_scalar and not record.inspecting))
+    split = split_ratios(record, values) if splits else None
+    safe = split[0] if split is not None else ratio_without_nan(values) if scalar else values
+    factor = None
     if weighted_scalar and not record.inspecting:
         # Keras multiplies a loss function's one number by a factor of the weights (their batch mean): the global
         # batch's factor, so that the replicas' numbers weighted as the number alone is sum to one device's.
@@ -1271,6 +1306,7 @@ def _recording_reduce_weighted_values(
     term = _term(result, values, sample_weight, mask, reduction, dtype)
     term.parts = split[1] if split is not None else None
     term.global_weights = weighted_scalar
+    term.weight_factor = factor
     record.terms.append(term)
     if record.tape is not None and tf.is_tensor(result):
         record.tape.watch(result)
@@ -1322,15 +1358,18 @@ def global_weight_factor(sample_weight, reduction, options=None):
 
 
 def split_ratios(record, value):
-    """`(rebuilt, parts)` of a loss function's scalar that adds ratios of sums, each recorded as a term; or `None`.
+    """`(rebuilt, parts)` of a loss function's scalar that adds ratios of sums or sums over the batch to other terms; or `None`.
 
     A compiled loss function returning `r1 + 0.5 * r2`, each ratio over its
     own mask (`linear_ratio_terms`), was one term counted by examples (a
-    new-user probe: weights 8.3e-2 off, and the first-batch check warned).
-    Each ratio becomes a `DIVISOR` term of its own (`_ratio_index`), and the
-    value is rebuilt from them (`_rebuilt`: equal, and 0 where a part kept
-    nothing), so that the step weights each by its own denominator's share
-    and the rest by the examples.
+    new-user probe: weights 8.3e-2 off, and the first-batch check warned);
+    so was one adding a sum over the batch to a mean (`ops.sum(se) / 8 +
+    0.1 * ops.mean(...)`, stop 54). Each ratio becomes a `DIVISOR` term of
+    its own (`_ratio_index`), each sum over the examples a `SUM` term
+    (`_sum_index`), and the value is rebuilt from them (`_rebuilt`: equal,
+    and 0 where a part kept nothing), so that the step weights each ratio by
+    its own denominator's share, each sum once and the rest by the examples.
+    A value whose terms are all sums is left to `_term` (one `SUM` term).
 
     Args:
         record: The step's `LossRecord`.
@@ -1339,10 +1378,16 @@ def split_ratios(record, value):
     Returns:
         `(scalar tensor of value's dtype, [(coefficient, term, index), ...])`, or `None`.
     """
-    terms = linear_ratio_terms(value)
-    if terms is None or record.tape is None:
+    if record.tape is None:
         return None
-    parts = [(coefficient, term, _ratio_index(record, term)) for coefficient, term in terms]
+    terms = linear_ratio_terms(value)
+    if terms is None:
+        step = step_state.current()
+        terms = linear_terms(value) if step is not None else None
+        summed = [summed_examples(t, step) for _, t in terms or ()]
+        if not terms or all(t is None for t in summed) or all(t is not None for t in summed):
+            return None
+    parts = [(coefficient, term, _split_index(record, term)) for coefficient, term in terms]
     return _rebuilt(record, parts, value.dtype), parts
 
 
@@ -1936,6 +1981,8 @@ def update_trackers(record, shares, num_replicas):
         if term.parts is not None:  # Its ratios by their own shares, the rest by the examples (its own share).
             parts = [_part_value(record, part, shares, shares[update.term], tf.float32) for part in term.parts]
             contribution = tf.add_n(parts)
+            if term.weight_factor is not None:  # Times the global batch's factor of the sample weights.
+                contribution *= tf.cast(term.weight_factor, tf.float32)
         elif term.value.shape.rank != 0:
             # One value per example (`reduction="none"`): Keras' `Mean` tracker adds each, and counts each.
             update.tracker.total.assign(update.total + tf.cast(tf.reduce_sum(term.value), update.tracker.total.dtype))

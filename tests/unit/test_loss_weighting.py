@@ -1156,24 +1156,55 @@ class _ScalarSseLoss(keras.losses.Loss):
         return _scalar_sse(y_true, y_pred)
 
 
+def _sum_and_mean(y_true, y_pred):  # A sum over the batch beside a mean: each term counts its own way.
+    return ops.sum(ops.square(y_true - y_pred)) / 4.0 + 0.1 * ops.mean(ops.abs(y_pred))
+
+
+def _two_ratios(y_true, y_pred):  # Two masked ratios of sums, each over its own mask.
+    error = ops.square(y_true - y_pred)
+    high, low = ops.cast(y_true > 0.0, "float32"), ops.cast(y_true < 0.5, "float32")
+    return ops.sum(error * high) / (ops.sum(high) + 1.0) + 0.5 * ops.sum(error * low) / (ops.sum(low) + 1.0)
+
+
 @pytest.mark.parametrize(
-    "variant", ["sum", "over_global_batch", "sample_weight", "reduction_sum", "jit_compile", "own_step", "gathered"]
+    "variant",
+    [
+        "sum",
+        "over_global_batch",
+        "sample_weight",
+        "reduction_sum",
+        "jit_compile",
+        "own_step",
+        "gathered",
+        "sum_and_mean",
+        "sum_and_mean_sample_weight",
+        "two_ratios_sample_weight",
+        "two_outputs_sample_weight",
+    ],
 )
 def test_scalar_loss_function_summing_over_the_batch(mirrored_1x3_cpu, variant):
     """Was warned and counted as a mean: a compiled loss function returning `ops.sum(...)` over the batch (or
     `reduce_sum(...) / GLOBAL_BATCH_SIZE`, TensorFlow's custom training guide) is one device's global batch's sum,
-    so each replica's sum counts once, not by its share of the examples (weights 0.18 off on 3 replicas). 10
+    so each replica's sum counts once, not by its share of the examples (the kernel 0.15 off on 3 replicas). 10
     examples in batches of 4 on 3 replicas: parts 2/1/1 and 1/1/0 (a replica without examples). "gathered": a
-    sum over `keras_dist.ops.all_gather`'s global batch is the same on every replica, counted by examples.
+    sum over `keras_dist.ops.all_gather`'s global batch is the same on every replica, counted by examples. A sum
+    beside a mean counts each its own way, with sample weights too (Keras multiplies the loss function's number by
+    their mean: the global batch's, `test_scalar_loss_function_with_sample_weights`), as ratios of sums do.
     """
     x, y = _regression(10)
     weights = np.linspace(0.5, 2.0, 10).astype("float32")
     loss, compile_kwargs, fit_kwargs = _scalar_sse, {}, {}
     if variant == "over_global_batch":
         loss = _scalar_sse_over_global_batch
-    elif variant in ("sample_weight", "own_step"):
+    elif variant.startswith("sum_and_mean"):
+        loss = _sum_and_mean
+    elif variant.startswith("two_ratios"):
+        loss = _two_ratios
+    elif variant.startswith("two_outputs"):  # Each output's loss log (a tracker of its term) too.
+        loss, compile_kwargs, y = [_sum_and_mean, _two_ratios], {"loss_weights": [1.0, 0.5]}, [y, -y]
+    if variant in ("sample_weight", "own_step") or variant.endswith("_sample_weight"):
         fit_kwargs = {"sample_weight": weights}
-    elif variant == "reduction_sum":
+    if variant == "reduction_sum":
         loss = _ScalarSseLoss(reduction="sum")
     elif variant == "jit_compile":
         compile_kwargs = {"jit_compile": True}
@@ -1186,7 +1217,10 @@ def test_scalar_loss_function_summing_over_the_batch(mirrored_1x3_cpu, variant):
         if variant == "own_step":
             cls = _classes(_WeightedStep)[cls is not keras.Model]
         inputs = keras.Input((3,))
-        model = cls(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        outputs = keras.layers.Dense(1)(inputs)
+        if variant.startswith("two_outputs"):  # Named: the per-output logs' names.
+            outputs = [keras.layers.Dense(1, name="first")(inputs), keras.layers.Dense(1, name="second")(inputs)]
+        model = cls(inputs, outputs, **kwargs)
         model.compile(optimizer=keras.optimizers.SGD(0.02), loss=loss, **compile_kwargs)
         return model
 
