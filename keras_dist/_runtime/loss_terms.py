@@ -16,8 +16,9 @@ gradient and the logged loss doubled on 2 replicas).
 What this module does, while a keras-dist step runs on a replica (its
 `step_state.ReplicaStep` is registered):
 - Keras' distribution scaling is off (`scale_loss_for_distribution` and its
-  inverse are the identity), so each replica computes exactly what one
-  device computes on its part of the batch;
+  inverse are the identity, and so is TensorFlow's in `tf.nn.compute_average_loss`
+  without a `global_batch_size` and `tf.nn.scale_regularization_loss`), so each
+  replica computes exactly what one device computes on its part of the batch;
 - inside `recording(model)`, every reduction is recorded as a `LossTerm`
   (its value, how it is weighted across replicas, its divisor), and the
   per-output loss trackers' states are noted before Keras updates them, so
@@ -69,6 +70,8 @@ _ORIGINAL = {
     "clear_losses": keras_layer.Layer._clear_losses,
     "loss_call": keras_loss.Loss.__call__,
     "aggregate_additional_loss": keras_trainer.Trainer._aggregate_additional_loss,
+    "compute_average_loss": tf.nn.compute_average_loss,
+    "scale_regularization_loss": tf.nn.scale_regularization_loss,
 }
 # TensorFlow's own (`user_steps` wraps `tf.GradientTape.gradient` for the user's steps at run time).
 TAPE_GRADIENT = tf.GradientTape.gradient
@@ -185,6 +188,8 @@ def _install():
             keras_layer.Layer._clear_losses = _replica_clear_losses
             keras_loss.Loss.__call__ = _counting_loss_call
             keras_trainer.Trainer._aggregate_additional_loss = _recording_aggregate_additional_loss
+            tf.nn.compute_average_loss = _compute_average_loss
+            tf.nn.scale_regularization_loss = _scale_regularization_loss
 
 
 def one_device_scaling_installed():
@@ -196,6 +201,31 @@ def _scale_loss_for_distribution(value):
     if step_state.current() is not None:
         return value
     return _ORIGINAL["scale_loss_for_distribution"](value)
+
+
+def _compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
+    """`tf.nn.compute_average_loss`; inside a keras-dist step, without `global_batch_size`, this replica's mean.
+
+    TensorFlow's custom-training guide divides each replica's sum by its rows
+    times `num_replicas_in_sync` (the default `global_batch_size`): one device
+    divides by its rows. keras-dist weights each replica's loss by its share
+    of the examples itself (as Keras' `scale_loss_for_distribution`, off here),
+    so the replicas' count came in twice: a third of one device's loss and
+    gradient on 3 replicas (a new-user probe, in a compiled loss function and
+    in a `train_step`). With `global_batch_size` given, the sum over it is read
+    as a sum over the batch (`summed_examples`), unchanged.
+    """
+    if global_batch_size is None and step_state.current() is not None:
+        rows = tf.shape(ops.convert_to_tensor(per_example_loss))[0]
+        return _ORIGINAL["compute_average_loss"](per_example_loss, sample_weight, global_batch_size=rows)
+    return _ORIGINAL["compute_average_loss"](per_example_loss, sample_weight, global_batch_size=global_batch_size)
+
+
+def _scale_regularization_loss(regularization_loss):
+    """`tf.nn.scale_regularization_loss`; inside a keras-dist step, the sum, as one device's (not over the replicas)."""
+    if step_state.current() is not None:
+        return tf.reduce_sum(regularization_loss)
+    return _ORIGINAL["scale_regularization_loss"](regularization_loss)
 
 
 def _unscale_loss_for_distribution(value):
@@ -1395,9 +1425,11 @@ def _term(result, values, sample_weight, mask, reduction, dtype):
     """The `LossTerm` of one `reduce_weighted_values(values, sample_weight, mask, reduction, dtype)` call."""
     reduction = keras_loss.standardize_reduction(reduction)
     values = ops.convert_to_tensor(values, dtype=dtype)
-    if reduction in (None, "none"):
+    if reduction in (None, "none") and not (values.shape.rank == 0 and sample_weight is None):
         return LossTerm(result, SUM)  # Summed by whoever reduces it: its gradient is the sum's.
     if values.shape.rank == 0:
+        # A loss function's one number, reduced by it (with `reduction=None` too, which keeps it as it is: it was
+        # counted once per replica, 3x one device's on 3 replicas, NaN from a replica without examples).
         ratio = ratio_of(values)
         if ratio is not None:  # `sum(loss * mask) / sum(mask)`: counted by its own divisor, as a Keras mask.
             return LossTerm(result, DIVISOR, ratio.divisor, proportional=False, ratio=ratio)

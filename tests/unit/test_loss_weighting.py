@@ -89,9 +89,8 @@ def _scalar_mse(y_true, y_pred):  # keras.io style: the loss function reduces it
 def test_compiled_losses_on_uneven_batches(mirrored_1x3_cpu, loss):
     """10 examples, batch 4 on 3 replicas: parts 2/1/1 and 1/1/0 (a replica without examples).
 
-    With sample weights, except for the scalar function: Keras multiplies its
-    one number by the weights' batch mean, a product of two batch means that
-    no split of the batch keeps (documented in docs/numerics.md).
+    With sample weights, except for the scalar function (with them:
+    `test_scalar_loss_function_with_sample_weights`).
     """
     x, y = _regression(10)
     fit_kwargs = {} if loss is _scalar_mse else {"sample_weight": np.linspace(0.5, 2.0, 10).astype("float32")}
@@ -385,6 +384,52 @@ def test_custom_step_losses_global_sums_gradients(mirrored_1x2_cpu):
     for m in (reference, model):
         m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert max_weight_difference(reference, model) < 1e-5
+
+
+class _GuideStep:
+    """TensorFlow's custom-training guide in a `train_step`: `compute_average_loss` without `global_batch_size`
+    (it divides by the rows times `num_replicas_in_sync`) and `scale_regularization_loss` of an L2 penalty."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            per_example = ops.mean(ops.square(self(x, training=True) - y), axis=-1)
+            loss = tf.nn.compute_average_loss(per_example)
+            loss += tf.nn.scale_regularization_loss(0.01 * tf.nn.l2_loss(self.trainable_weights[0]))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_weights), self.trainable_weights))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("where", ["compiled", "train_step"])
+def test_compute_average_loss_without_global_batch_size(mirrored_1x3_cpu, where):
+    """A new-user probe: `tf.nn.compute_average_loss(per_example)` divides each replica's sum by its rows times the
+    replicas, and keras-dist weights each replica by its share of the examples itself: a third of one device's loss
+    and gradient on 3 replicas (weights 8.1e-2 off), no warning. Inside a keras-dist step both TensorFlow helpers
+    compute one device's value on the replica's part; 10 examples in batches of 4 (2/1/1, 1/1/0)."""
+    x, y = _regression(10)
+
+    def loss(y_true, y_pred):
+        return tf.nn.compute_average_loss(keras.losses.mean_squared_error(y_true, y_pred))
+
+    def build(cls, **kwargs):
+        if where == "train_step":
+            cls = _classes(_GuideStep)[cls is not keras.Model]
+        inputs = keras.Input((3,))
+        model = cls(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss if where == "compiled" else None)
+        return model
+
+    def train(model):
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        return (
+            {"history": history}
+            if where == "train_step"
+            else {"history": history, "evaluate": model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)}
+        )
+
+    assert_matches_single_device(
+        build, strategy=mirrored_1x3_cpu, train=train, atol=1e-5, rtol=0.0, logs_atol=1e-6, logs_rtol=RTOL
+    )
 
 
 def _token_ratio_loss(y_true, y_pred):
@@ -1154,6 +1199,21 @@ class _ScalarSseLoss(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         return _scalar_sse(y_true, y_pred)
+
+
+@pytest.mark.parametrize("loss_class", [_ScalarMseLoss, _ScalarSseLoss], ids=["mean", "sum"])
+def test_a_loss_returning_one_number_with_reduction_none(mirrored_1x3_cpu, loss_class):
+    """A new-user probe: a `Loss` subclass whose `call` returns one number, built with `reduction=None` (Keras keeps
+    the number as it is), was counted once per replica as unreduced values are: 3x one device's loss on 3 even
+    replicas, NaN from a replica without examples. It is the number a loss function returns: a mean counts by the
+    examples, a sum over the batch once. 10 examples in batches of 4 (2/1/1, 1/1/0)."""
+    x, y = _regression(10)
+    rate = 0.1 if loss_class is _ScalarMseLoss else 0.02
+
+    def build(cls, kwargs):
+        return _dense(cls, kwargs, loss_class(reduction=None), optimizer=keras.optimizers.SGD(rate))
+
+    _train_both(mirrored_1x3_cpu, build, x, y, batch_size=4)
 
 
 def _sum_and_mean(y_true, y_pred):  # A sum over the batch beside a mean: each term counts its own way.
