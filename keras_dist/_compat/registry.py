@@ -518,10 +518,11 @@ FIXES = {
             package="tensorflow",
             verified=">=2.18,<2.22",
             upstream="https://github.com/keras-team/keras/blob/v3.15.1/keras/src/backend/tensorflow/trainer.py (multi_step_on_iterator; no upstream report found)",
-            symptom="With steps_per_execution > 1 under MultiWorkerMirroredStrategy, Keras runs the "
+            symptom="With steps_per_execution > 1 under MultiWorkerMirroredStrategy, or one worker's "
+            "MirroredStrategy with CollectiveAllReduce (its default on several CPUs), Keras runs the "
             "step inside tf.cond inside tf.while_loop and TensorFlow fails on the collective ops "
             "there: 'You must feed a value for placeholder tensor .../while/cond/Placeholder'.",
-            remedy="Under a multi-worker strategy compile uses steps_per_execution=1 and warns; fit, evaluate "
+            remedy="Where the all-reduce runs collective ops compile uses steps_per_execution=1 and warns; fit, evaluate "
             "and predict then run the steps Keras runs in whole executions of the steps_per_execution asked for: "
             "steps_per_epoch, validation_steps and steps are rounded up to its multiple (steps_per_epoch=5 with 3: "
             "6 steps an epoch), and an input that ends inside an execution ends it, as in Keras. The numbers are "

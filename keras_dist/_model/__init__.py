@@ -202,7 +202,8 @@ class DistributedModel(keras.Model):
                 collectives it cannot.
 
         Distributed behavior:
-            Under a multi-worker strategy `steps_per_execution` > 1 is
+            Under a multi-worker strategy, or a `MirroredStrategy` whose
+            all-reduce is `CollectiveAllReduce`, `steps_per_execution` > 1 is
             replaced by 1 with a `KerasDistWarning` (see docs/compat.md).
         """
         replica_jit_compile = xla.take_jit_compile(self, kwargs, overrides_train_step=self._overrides("train_step"))

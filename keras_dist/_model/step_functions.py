@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from keras_dist import _compat, errors
 from keras_dist._model import user_step
-from keras_dist._runtime import trainer_functions, variables
+from keras_dist._runtime import strategy_info, trainer_functions, variables
 
 REDUCTION_METHODS = ("auto", "mean", "sum", "first")
 
@@ -87,20 +87,24 @@ def _returns_synchronized_outputs(user_written):
 
 
 def limit_steps_per_execution(model, kwargs):
-    """Under several workers, replaces `compile(steps_per_execution > 1)` by 1, with a warning (changes `kwargs`).
+    """Where the all-reduce runs collective ops, replaces `compile(steps_per_execution > 1)` by 1, with a warning (changes `kwargs`).
 
-    The value asked for stays on the model: `fit`, `evaluate` and `predict`
-    then run the steps Keras runs with it (`keras_step_counts`).
+    Several workers, or one worker's `MirroredStrategy` with TensorFlow's
+    `CollectiveAllReduce` (its default on several CPUs: a new-user probe's
+    `fit` and `evaluate` failed). The value asked for stays on the model:
+    `fit`, `evaluate` and `predict` then run the steps Keras runs with it
+    (`keras_step_counts`).
     """
     steps_per_execution = kwargs.get("steps_per_execution", 1)
     model._requested_steps_per_execution = 1
-    if (
-        steps_per_execution != 1
-        and variables.is_multi_worker(model._distribute_strategy)
-        and _compat.is_active("multi_worker_steps_per_execution")
-    ):
+    strategy = model._distribute_strategy
+    collective = variables.is_multi_worker(strategy) or (
+        strategy.num_replicas_in_sync > 1 and strategy_info.all_reduce_implementation(strategy) == "CollectiveAllReduce"
+    )
+    if steps_per_execution != 1 and collective and _compat.is_active("multi_worker_steps_per_execution"):
         warnings.warn(
-            "`steps_per_execution` > 1 is not supported under MultiWorkerMirroredStrategy yet "
+            "`steps_per_execution` > 1 is not supported where the all-reduce runs TensorFlow's collective ops "
+            "(MultiWorkerMirroredStrategy, or MirroredStrategy's CollectiveAllReduce) yet "
             "(TensorFlow fails on collectives inside Keras' multi-step loop); using 1. "
             f"Received: steps_per_execution={steps_per_execution}. The results are the same: "
             "a `steps_per_epoch`, `validation_steps` or `steps` runs the steps Keras runs in whole "

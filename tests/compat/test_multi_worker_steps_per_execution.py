@@ -12,6 +12,8 @@ import steps_per_execution_worker
 import tensorflow as tf
 from helpers import MW_WORKER, multi_worker_env
 
+import keras_dist
+from keras_dist import _compat, errors
 from keras_dist._model import step_functions
 from keras_dist.testing import run_launcher
 
@@ -93,3 +95,40 @@ def test_rounded_step_counts_are_keras_own_on_one_device(per_execution, repeat, 
         assert arguments["steps_per_epoch"] == math.ceil(steps_per_epoch / per_execution) * per_execution
     del arguments["validation_steps"]
     assert run(1, arguments) == run(per_execution, {"steps_per_epoch": steps_per_epoch})
+
+
+def _one_worker_spe(strategy, weights=None):
+    """`fit` and `evaluate` with `steps_per_execution=2`, 24 examples in batches of 6 (a new-user probe's); one device
+    with `strategy=None`."""
+    x = np.random.default_rng(0).normal(size=(24, 5)).astype("float32")
+    y = x[:, :1] * 2
+    inputs = keras.Input((5,))
+    outputs = keras.layers.Dense(1)(inputs)
+    model = (
+        keras.Model(inputs, outputs)
+        if strategy is None
+        else keras_dist.DistributedModel(inputs, outputs, strategy=strategy)
+    )
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    if weights is not None:
+        model.set_weights(weights)
+    initial = model.get_weights()
+    history = model.fit(x, y, batch_size=6, epochs=1, verbose=0, shuffle=False).history
+    return model, initial, history, model.evaluate(x, y, batch_size=6, verbose=0)
+
+
+def test_one_worker_with_collective_all_reduce_fails_without_the_fix(mirrored_1x2_cpu_collective):
+    """MirroredStrategy's default all-reduce on several CPUs (`CollectiveAllReduce`) fails the same way."""
+    with _compat.disabled("multi_worker_steps_per_execution"), pytest.raises(tf.errors.InvalidArgumentError):
+        _one_worker_spe(mirrored_1x2_cpu_collective)
+
+
+def test_one_worker_with_collective_all_reduce_warns_and_matches_one_device(mirrored_1x2_cpu_collective):
+    with pytest.warns(errors.KerasDistWarning, match="`steps_per_execution` > 1 is not supported"):
+        model, initial, history, evaluated = _one_worker_spe(mirrored_1x2_cpu_collective)
+    assert model.steps_per_execution == 1 and int(model.optimizer.iterations.numpy()) == 4
+    reference, _, expected_history, expected = _one_worker_spe(None, weights=initial)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history["loss"], expected_history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(evaluated, expected, rtol=1e-5)
