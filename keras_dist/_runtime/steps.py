@@ -117,9 +117,10 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
 _XLA_NOT_BY_EXAMPLES = (
     "compile(jit_compile=True) on several replicas: a loss term of this model is not a mean over the batch's "
     "examples (a mask, a loss with reduction 'sum' or 'mean_with_sample_weight', a loss function returning one "
-    "number with sample weights, or a ratio your "
-    "`compute_loss` computes). Each replica's part of such a loss divides by the "
-    "global batch's divisor, which XLA on one replica cannot reach before the backward pass; so keras-dist "
+    "number with sample weights or summing over the batch, or a ratio your "
+    "`compute_loss` computes). Each replica's part of such a loss counts by another weight than its share of the "
+    "examples (the global batch's divisor, or once for a sum), which XLA on one replica cannot take before the "
+    "backward pass; so keras-dist "
     "runs this train step without XLA, with one device's numbers. Expected: loss terms that are means over "
     "the examples, for XLA per replica. Fix: none is needed for correct numbers; to keep XLA, use such "
     "losses; to silence this, pass `jit_compile=False`."
