@@ -386,7 +386,7 @@ def test_custom_step_losses_global_sums_gradients(mirrored_1x2_cpu):
     assert max_weight_difference(reference, model) < 1e-5
 
 
-class _GuideStep:
+class _AverageLossGuideStep:
     """TensorFlow's custom-training guide in a `train_step`: `compute_average_loss` without `global_batch_size`
     (it divides by the rows times `num_replicas_in_sync`) and `scale_regularization_loss` of an L2 penalty."""
 
@@ -413,7 +413,7 @@ def test_compute_average_loss_without_global_batch_size(mirrored_1x3_cpu, where)
 
     def build(cls, **kwargs):
         if where == "train_step":
-            cls = _classes(_GuideStep)[cls is not keras.Model]
+            cls = _classes(_AverageLossGuideStep)[cls is not keras.Model]
         inputs = keras.Input((3,))
         model = cls(inputs, keras.layers.Dense(1)(inputs), **kwargs)
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss if where == "compiled" else None)
