@@ -519,7 +519,7 @@ def _summed(value, y_true, y_pred):
 
 
 def _combined(per_part, counts):
-    """The parts' scalar values combined as the step weights them: each ratio by its denominator's share, a sum over the examples as a sum, the rest by examples.
+    """The parts' scalar values combined as the step weights them: ratios by their denominators, sums once, the rest by examples.
 
     `per_part`: `_ratio_terms_of` of each part (the same terms on each);
     `counts`: their examples. `None` where a ratio's global denominator is 0.

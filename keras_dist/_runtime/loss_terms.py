@@ -432,7 +432,7 @@ def _split_index(record, tensor):
 
 
 def _sum_index(record, tensor):
-    """The index in `record.terms` of `tensor`'s `SUM` term when it is a sum over the examples (`summed_examples`), added once; else `None`.
+    """The index in `record.terms` of `tensor`'s `SUM` term where it is a sum over the examples, added once; else `None`.
 
     The term's value is a copy of `tensor` watched by the record's tape, counted
     once per replica where it sums this replica's rows (a gathered global batch
@@ -1388,7 +1388,7 @@ def global_weight_factor(sample_weight, reduction, options=None):
 
 
 def split_ratios(record, value):
-    """`(rebuilt, parts)` of a loss function's scalar that adds ratios of sums or sums over the batch to other terms; or `None`.
+    """`(rebuilt, parts)` of a loss function's scalar adding ratios of sums or sums over the batch to other terms; or `None`.
 
     A compiled loss function returning `r1 + 0.5 * r2`, each ratio over its
     own mask (`linear_ratio_terms`), was one term counted by examples (a
