@@ -99,7 +99,7 @@ def limit_steps_per_execution(model, kwargs):
     model._requested_steps_per_execution = 1
     strategy = model._distribute_strategy
     collective = variables.is_multi_worker(strategy) or (
-        strategy.num_replicas_in_sync > 1 and strategy_info.all_reduce_implementation(strategy) == "CollectiveAllReduce"
+        strategy_info.all_reduce_implementation(strategy) == "CollectiveAllReduce"  # "none" for one replica.
     )
     if steps_per_execution != 1 and collective and _compat.is_active("multi_worker_steps_per_execution"):
         warnings.warn(

@@ -508,7 +508,7 @@ def _summed(value, y_true, y_pred):
 
     `loss_terms.summed_terms` with the traced inputs as the batch's tensors.
     """
-    leaves = [v for v in tree.flatten([y_true, y_pred]) if tf.is_tensor(v) and v.shape.rank]
+    leaves = step_state.data_leaves([y_true, y_pred])
     if not leaves:
         return False
     rows = leaves[0].shape[0]

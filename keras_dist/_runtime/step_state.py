@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 
 import tensorflow as tf
+from keras import tree
 
 # How the gradients a step hands to `apply` count in the cross-replica sum.
 SUM = "sum"  # Already weighted for the global batch: summed as given.
@@ -131,6 +132,11 @@ class ReplicaStep:
     def already_summed(self, variables):
         """Whether the gradients of every one of `variables` were summed over the replicas by `tape_all_reduce`."""
         return bool(variables) and all(id(v) in self.global_gradient_ids for v in variables)
+
+
+def data_leaves(data):
+    """The tensors of a batch `data` (any nesting) with a leading dimension, in `tree.flatten` order: `ReplicaStep.data_leaves`."""
+    return [t for t in tree.flatten(data) if tf.is_tensor(t) and t.shape.rank]
 
 
 def replica_key():

@@ -74,8 +74,9 @@ def train_step(model, data, *, options, forward_backward=None, ride_along=False,
     num_examples = batch_size_of(x)
     recorder = marks.recorder() if marks is not None else None
     # The batch's tensors: a layer's state that adds a sum over them counts it once (`layers._weighted_direct_assign`).
-    leaves = [t for t in tree.flatten(data) if tf.is_tensor(t) and t.shape.rank]
-    step = step_state.ReplicaStep(step_state.SUM, num_examples=num_examples, marks=recorder, data_leaves=leaves)
+    step = step_state.ReplicaStep(
+        step_state.SUM, num_examples=num_examples, marks=recorder, data_leaves=step_state.data_leaves(data)
+    )
     if recorder is not None:
         recorder.stamp("batch", data)
     loss_terms.one_device_scaling_installed()  # Also for the XLA pass, which records no terms.
@@ -165,7 +166,7 @@ def test_step(model, data, *, options):
     """
     x, y, sample_weight = ki.unpack_x_y_sample_weight(data)
     num_examples = batch_size_of(x)
-    leaves = [t for t in tree.flatten(data) if tf.is_tensor(t) and t.shape.rank]  # As in `train_step`.
+    leaves = step_state.data_leaves(data)  # As in `train_step`.
     with step_state.running(step_state.ReplicaStep(step_state.SUM, num_examples=num_examples, data_leaves=leaves)):
         with loss_terms.recording(model) as record:
             y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
@@ -540,11 +541,11 @@ def compiled_forward_backward(model):
 
             def forward(x, y, sample_weight):
                 # This graph's batch: a loss summing over its rows is read from it (`loss_terms.summed_terms`).
-                outer = step_state.current()
-                leaves = [t for t in tree.flatten((x, y, sample_weight)) if tf.is_tensor(t) and t.shape.rank]
-                inner = dataclasses.replace(outer, data_leaves=leaves) if outer is not None else None
+                inner = dataclasses.replace(
+                    step_state.current(), data_leaves=step_state.data_leaves((x, y, sample_weight))
+                )
                 with (
-                    step_state.running(inner) if inner is not None else contextlib.nullcontext(),
+                    step_state.running(inner),
                     _StateCollectingScope(_regularized_values(model)),
                     loss_terms.recording(model) as record,
                 ):

@@ -80,7 +80,7 @@ def user_step(model, data, *, options, marks=None, tape_all_reduce=None, metrics
     # The leading dimension of every tensor of the batch rides in the same all-reduce: a batch may zip inputs of
     # other batch sizes (keras.io's semi-supervised steps: a labelled and an unlabelled dataset), whose means
     # count by their own rows (`loss_terms.term_share`).
-    leaves = [t for t in tree.flatten(data) if tf.is_tensor(t) and t.shape.rank]
+    leaves = step_state.data_leaves(data)
     first = next((t for t in tree.flatten(x) if t is not None), None)
     rows = tf.stack([tf.cast(tf.shape(t)[0], tf.float32) for t in leaves]) if leaves else None
     count = tf.reshape(tf.cast(num_examples, tf.float32), [1])
