@@ -481,8 +481,12 @@ def serve(socket_path: str, preload: Sequence[str], import_env: Mapping[str, str
     import importlib
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(socket_path)
-    listener.listen(64)  # Clients may connect and send now: their requests wait for the preload.
+    # Bound and listening under another name, then renamed: clients take the path's existence to mean a connect
+    # succeeds, and one that came between bind and listen was refused (its worker silently not forked).
+    binding = os.path.join(os.path.dirname(socket_path), f"{os.getpid()}.binding")
+    listener.bind(binding)
+    listener.listen(64)  # Clients may connect and send once it is renamed: their requests wait for the preload.
+    os.rename(binding, socket_path)
     for name in preload:
         importlib.import_module(name)
     base_path = list(sys.path[1:])

@@ -9,8 +9,12 @@ import glob
 import json
 import os
 import signal
+import socket
 import sys
+import tempfile
 import textwrap
+import threading
+import time
 
 import pytest
 from _support import zygote_servers
@@ -83,6 +87,40 @@ def _run_probe(tmp_path, env):
         assert (out / f"worker-{i}.atexit").read_text() == "ran"  # the interpreter's exit ran its handlers
         assert (out / f"worker-{i}.thread").read_text() == "joined"  # and waited for its non-daemon thread
     return result, states
+
+
+@pytest.mark.timeout(60)
+def test_the_socket_appears_only_once_a_connect_succeeds(monkeypatch):
+    """A client that finds the server's socket connects at once (before: refused between bind and listen).
+
+    The server then served that worker as a new process instead, unseen: the first test here failed in CI so.
+    """
+    listen = socket.socket.listen
+
+    def slow_listen(self, *args):  # Widens the window between bind and listen that a loaded machine opens.
+        time.sleep(0.5)
+        return listen(self, *args)
+
+    monkeypatch.setattr(socket.socket, "listen", slow_listen)
+    directory = tempfile.mkdtemp(prefix="kd-zygote-")  # Short: a socket path has at most about 100 bytes.
+    path = os.path.join(directory, "server.socket")
+    server = threading.Thread(target=_zygote.serve, args=(path, [], {}), daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            client.connect(path)
+        finally:
+            client.close()
+    finally:
+        for name in os.listdir(directory):
+            os.remove(os.path.join(directory, name))  # The server exits when its socket is gone.
+        os.rmdir(directory)
+        server.join(10)
+    assert not server.is_alive()
 
 
 @pytest.mark.timeout(120)
