@@ -234,6 +234,9 @@ class _Connection:
 
 
 _connections: dict[str, _Connection] = {}
+# Why each request `spawn` sent (a directory set) came back without a worker, in order: what a test names when a
+# worker it expected forked started as a new process.
+fallbacks: list[str] = []
 _connections_lock = threading.Lock()
 
 
@@ -290,7 +293,8 @@ def spawn(
     Returns:
         `ZygoteProcess`, or `None` (start the worker with `subprocess.Popen`)
         when no directory is set or it is gone, the command has another form
-        or another interpreter, or the server cannot be reached or refuses.
+        or another interpreter, or the server cannot be reached or refuses
+        (why, for those two: appended to `fallbacks`).
     """
     from keras_dist._env import ZYGOTE_ENV
 
@@ -314,7 +318,8 @@ def spawn(
             },
             [stdin, stdout, stderr],
         )
-    except (OSError, ConnectionError, ValueError):
+    except (OSError, ConnectionError, ValueError) as error:
+        fallbacks.append(f"slot {slot}: {type(error).__name__}: {error}")
         with _connections_lock:
             for path in [path for path in _connections if path.startswith(directory)]:
                 # Closed, so that the server drops a request it reads later (`_hung_up`): the caller starts
@@ -322,6 +327,7 @@ def spawn(
                 _connections.pop(path).close()
         return None
     if "pid" not in reply:
+        fallbacks.append(f"slot {slot}: refused: {reply.get('refused')}")
         return None
     return ZygoteProcess(connection, list(command), reply["pid"])
 

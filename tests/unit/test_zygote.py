@@ -128,7 +128,8 @@ def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path, zygote_dire
     fresh, fresh_states = _run_probe(tmp_path / "fresh", clean_env())
     forked, forked_states = _run_probe(tmp_path / "forked", clean_env(**{_env.ZYGOTE_ENV: zygote_directory}))
     assert [s["preloaded"] for s in fresh_states] == [False, False]
-    assert [s["preloaded"] for s in forked_states] == [True, True], "the workers were not forked from the server"
+    forked_ok = [s["preloaded"] for s in forked_states] == [True, True]
+    assert forked_ok, f"the workers were not forked from the server: {_zygote.fallbacks}"
     for fresh_state, forked_state, i in zip(fresh_states, forked_states, range(2)):
         assert forked_state["argv"] == ["scripts/probe.py", str(tmp_path / "forked" / "out"), "an argument"]
         assert forked_state["cwd"] == str(tmp_path / "forked")
