@@ -97,6 +97,8 @@ STACKS_SUBSET = (
     # Keras 3.16 traces each replica's step with its static batch size: a replica without examples
     # returned its loss unreduced and took another path through the step ('Values to regroup').
     "tests/unit/test_loss_weighting.py::test_compiled_losses_on_uneven_batches",
+    # keras-dist wraps TensorFlow's `RaggedTensor.to_tensor`, which TextVectorization calls.
+    "tests/unit/test_dynamic_graphs.py::test_a_batch_padded_in_call_is_padded_to_the_global_batchs_longest[mirrored_1x2_cpu]",
     # `verify` puts a model back through Keras' private state (backing variables, trackers, global seed).
     "tests/unit/test_verify.py::test_leaves_the_model_as_it_was_and_a_later_fit_gives_the_same_numbers",
 )

@@ -46,7 +46,7 @@ from keras_dist._model import (
 )
 from keras_dist._model import fit as fitting
 from keras_dist._runtime import keras_internals as ki
-from keras_dist._runtime import step_state
+from keras_dist._runtime import ragged_padding, step_state
 from keras_dist.collectives import _optimizer as collectives_optimizer
 from keras_dist.collectives._options import CommunicationValue
 from keras_dist.data import _sharding as data_sharding
@@ -178,8 +178,14 @@ class DistributedModel(keras.Model):
         self.train_function = self.test_function = None
 
     def _distribute_state(self):
-        """Re-homes every variable this model owns onto its strategy (cheap when nothing moved)."""
+        """Re-homes every variable this model owns onto its strategy (cheap when nothing moved).
+
+        Called by the train, test and predict functions' factories: ragged
+        batches made dense in their replicas are padded as one device pads
+        (`ragged_padding`).
+        """
         placement.distribute_state(self)
+        ragged_padding.installed(self._distribute_strategy)
 
     # --------------------------------------------------------------- compile
     def compile(self, *args: Any, **kwargs: Any) -> None:

@@ -54,6 +54,11 @@ def compiled_by_xla():
         _XLA.compiling = previous
 
 
+def compiling_by_xla():
+    """Whether this thread traces a function XLA compiles (`compiled_by_xla`)."""
+    return getattr(_XLA, "compiling", False)
+
+
 def install(is_enabled):
     """Wraps Keras' TensorFlow convolution functions (process-wide, once).
 
