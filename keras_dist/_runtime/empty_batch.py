@@ -83,7 +83,7 @@ def _may_see_empty_batches():
     """Whether the op is traced for a replica of a multi-replica strategy (where a replica's batch can be empty)."""
     return (
         bool(_ENABLED)
-        and not getattr(_XLA, "compiling", False)
+        and not compiling_by_xla()
         and _ENABLED[0]()
         and tf.distribute.has_strategy()
         and tf.distribute.get_strategy().num_replicas_in_sync > 1

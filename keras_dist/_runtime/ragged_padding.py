@@ -21,7 +21,7 @@ import weakref
 
 import tensorflow as tf
 
-from keras_dist._runtime import empty_batch
+from keras_dist._runtime import empty_batch, strategy_info
 
 _ORIGINAL = {}
 _STRATEGIES = weakref.WeakSet()  # The strategies of keras-dist models whose step functions were made.
@@ -80,6 +80,10 @@ def global_shape(ragged, shape=None):
     strategy = tf.distribute.get_strategy()
     if strategy not in _STRATEGIES or strategy.num_replicas_in_sync < 2 or empty_batch.compiling_by_xla():
         return None
+    if strategy_info.in_nested_graph_of_replica():
+        # Keras' `compute_output_spec` building the model, a `tf.cond` branch: MirroredStrategy synchronizes only
+        # in the replica's own graph.
+        return None
     rank = ragged.shape.rank
     if rank is None or tf.is_tensor(shape) or (isinstance(shape, (list, tuple)) and any(map(tf.is_tensor, shape))):
         return None
@@ -93,12 +97,7 @@ def global_shape(ragged, shape=None):
     if not open_dims:
         return None
     bounding = tf.gather(tf.cast(ragged.bounding_shape(out_type=tf.int64), tf.float32), open_dims)
-    try:
-        gathered = tf.distribute.get_replica_context().all_gather(bounding[tf.newaxis], axis=0)
-    except RuntimeError:
-        # A graph nested in the replica's (Keras' `compute_output_spec` building the model, a `tf.cond` branch):
-        # MirroredStrategy synchronizes only in the replica's own graph. A trace for shapes: never run.
-        return None
+    gathered = tf.distribute.get_replica_context().all_gather(bounding[tf.newaxis], axis=0)
     longest = tf.cast(tf.reduce_max(gathered, axis=0), tf.int64)
     entries = [tf.constant(-1 if d is None else d, tf.int64) for d in dims]
     for position, i in enumerate(open_dims):
